@@ -1,0 +1,21 @@
+"""Stage `centralized` (Stage A): one model on pooled data, the upper bound."""
+from __future__ import annotations
+
+from prefect import flow
+
+from lensemble.model.world_model import WorldModel
+from tasks.runner import stage_run
+from tasks.train import train_centralized
+
+
+@flow(name="centralized")
+def centralized_flow(root: str = ".") -> None:
+    with stage_run("centralized", root) as ctx:
+        result = train_centralized(ctx.params, ctx.layout, ctx.out.path("models/centralized.pt"))
+        for i, (p, s) in enumerate(zip(result["losses"]["pred"], result["losses"]["sigreg"])):
+            ctx.metric("loss/pred", p, step=i)
+            ctx.metric("loss/sigreg", s, step=i)
+        ctx.measured["perf/steps_per_second"] = result["steps"] / result["seconds"]
+        ctx.out.write_json("reports/centralized.json", {**result["mean"], "seconds": result["seconds"], "steps": result["steps"],
+                                                        "steps_per_second": result["steps"] / result["seconds"]})
+        ctx.out.write_json("reports/plots/centralized_loss.json", [{"step": i, "pred": p, "sigreg": s} for i, (p, s) in enumerate(zip(result["losses"]["pred"], result["losses"]["sigreg"]))])

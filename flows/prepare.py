@@ -1,0 +1,26 @@
+"""Stage `prepare`: every site's episode store and the public probe set, one Prefect task run each."""
+from __future__ import annotations
+
+from prefect import flow
+
+from lensemble.workflow import embodiments
+from tasks.data import generate_probe, generate_site
+from tasks.runner import stage_run
+
+
+@flow(name="prepare")
+def prepare_flow(root: str = ".") -> None:
+    with stage_run("prepare", root) as ctx:
+        sites = sorted(ctx.params.data.sites, key=lambda s: s.name)
+        site_futures = [
+            generate_site.submit(ctx.params, s.name, s.embodiment, s.episodes, ctx.out.path(f"data/sites/{s.name}/episodes.parquet"))
+            for s in sites
+        ]
+        probe_futures = {emb: generate_probe.submit(ctx.params, emb, ctx.out.path(f"data/probe/{emb}.parquet")) for emb in embodiments(ctx.params)}
+        for s, fut in zip(sites, site_futures):
+            manifest = fut.result()
+            ctx.data_manifests[s.name] = manifest
+            ctx.out.write_json(f"data/sites/{s.name}/manifest.json", manifest)
+        probes = {emb: fut.result() for emb, fut in probe_futures.items()}
+        ctx.data_manifests["public_probe"] = probes
+        ctx.out.write_json("reports/prepare.json", {"sites": ctx.data_manifests, "probe": probes})

@@ -1,0 +1,69 @@
+"""`lensemble`: the command that fronts every stage.
+
+    lensemble run STAGE        run one stage's Prefect flow (what `dvc repro` calls)
+    lensemble pipeline         run every stage in order as subflows of one Prefect flow
+    lensemble check-params     validate params.yaml and print its hash
+
+Errors print one line, `lensemble: error: ...`, and exit with the error's code.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from pathlib import Path
+
+from lensemble.errors import LensembleError
+
+STAGES = ("prepare", "residency", "centralized", "federate", "gauge", "evaluate", "report")
+
+
+def offline_environment(root: Path) -> None:
+    """Telemetry off, a project-local Prefect home, a generous ephemeral-server start-up."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("DVC_NO_ANALYTICS", "1")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    os.environ.setdefault("PREFECT_HOME", str(root.resolve() / ".prefect"))
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
+
+
+def stage_flow(stage: str):
+    """The flow function of a stage."""
+    module = importlib.import_module(f"flows.{stage}")
+    return getattr(module, f"{stage}_flow")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lensemble", description=__doc__.split("\n")[0])
+    parser.add_argument("--root", default=".", help="project root (params.yaml, data/, reports/)")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run", help="run one stage")
+    run.add_argument("stage", choices=STAGES)
+    sub.add_parser("pipeline", help="run all stages as one Prefect flow")
+    sub.add_parser("check-params", help="validate params.yaml")
+    args = parser.parse_args(argv)
+    root = Path(args.root)
+    offline_environment(root)
+    sys.path.insert(0, str(root.resolve()))
+    try:
+        if args.cmd == "check-params":
+            from lensemble.config import load_params
+
+            print(load_params(root / "params.yaml").hash())
+        elif args.cmd == "run":
+            stage_flow(args.stage)(root=str(root))
+        else:
+            from flows.pipeline import pipeline_flow
+
+            pipeline_flow(root=str(root))
+    except LensembleError as exc:
+        print(f"lensemble: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""Typed, strict params: one pydantic model per `params.yaml` section.
+
+Every field is documented where it is declared; an unknown key, a wrong type or an out-of-range value
+raises `ConfigError` naming the dotted key and the bad value, e.g.
+`federate.inner_steps must be >= 1, got 0`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from lensemble.errors import ConfigError
+
+
+class Section(BaseModel):
+    """Base: unknown keys are errors, values are validated on assignment too."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+
+
+class RunParams(Section):
+    seed: int = Field(0, ge=0, description="Root seed; every other seed is derived from it.")
+    hardware_class: str = Field("auto", description="Hardware class name, or 'auto' to detect it.")
+    torch_threads: int = Field(2, ge=1, le=256, description="torch intra-op threads per process.")
+
+
+class SiteParams(Section):
+    name: str = Field(..., pattern=r"^[a-z][a-z0-9_]{0,31}$", description="Site id, lowercase.")
+    embodiment: str = Field(..., description="Embodiment name from lensemble.sim.registry.")
+    episodes: int = Field(..., ge=1, le=100_000, description="Episodes generated at this site.")
+
+
+class DataParams(Section):
+    image_size: int = Field(32, ge=16, le=512, description="Frame side in pixels.")
+    episode_length: int = Field(32, ge=2, le=10_000, description="Steps per episode.")
+    expert_noise: float = Field(0.5, ge=0.0, le=10.0, description="Std of noise on expert actions.")
+    random_fraction: float = Field(0.3, ge=0.0, le=1.0, description="Share of random-action segments.")
+    segment_length: int = Field(8, ge=1, description="Length of an exploration segment (expert or random).")
+    probe_episodes: int = Field(4, ge=1, description="Episodes per embodiment in the public probe set.")
+    num_steps: int = Field(4, ge=2, le=64, description="Frames per training Window.")
+    sites: tuple[SiteParams, ...] = Field(..., min_length=1, description="The federation's sites.")
+
+    @model_validator(mode="after")
+    def _unique_sites(self) -> "DataParams":
+        names = [s.name for s in self.sites]
+        if len(set(names)) != len(names):
+            raise ValueError(f"site names must be unique, got {names}")
+        if self.num_steps > self.episode_length:
+            raise ValueError(f"num_steps ({self.num_steps}) must be <= episode_length ({self.episode_length})")
+        return self
+
+
+class ModelParams(Section):
+    encoder: str = Field("micro", description="ViT config name: micro, tiny, small, base, large.")
+    patch_size: int = Field(8, ge=1, description="Patch side; must divide data.image_size.")
+    predictor_width: int = Field(64, ge=8, description="Predictor transformer width.")
+    predictor_depth: int = Field(2, ge=1, le=48, description="Predictor transformer blocks.")
+    predictor_heads: int = Field(4, ge=1, description="Predictor attention heads.")
+    action_dim: int = Field(32, ge=1, description="d_a, the shared action-embedding width.")
+
+
+class ObjectiveParams(Section):
+    sigreg_weight: float = Field(0.05, ge=0.0, description="λ_sig.")
+    anchor_weight: float = Field(0.1, ge=0.0, description="λ_anc (federated training only).")
+    sketch_dim: int = Field(64, ge=1, le=4096, description="SIGReg random directions.")
+    sigreg_tokens: int = Field(512, ge=16, description="Token embeddings per step that SIGReg tests (a seeded random subset).")
+    num_knots: int = Field(17, ge=3, le=1025, description="Epps-Pulley quadrature points.")
+    t_max: float = Field(3.0, gt=0.0, le=20.0, description="Upper end of the quadrature interval.")
+    rollout_steps: int = Field(1, ge=0, description="Autoregressive rollout steps in L_pred.")
+    probe_batch: int = Field(16, ge=1, description="Probe frames per step for L_anchor.")
+
+
+class TrainParams(Section):
+    batch_size: int = Field(16, ge=1, description="Windows per inner step.")
+    lr: float = Field(1e-3, gt=0.0, le=1.0, description="Inner AdamW learning rate.")
+    weight_decay: float = Field(0.01, ge=0.0, description="Inner AdamW weight decay.")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="Forward dtype (autocast).")
+
+
+class CentralizedParams(Section):
+    steps: int = Field(400, ge=1, description="Stage A steps on the pooled data.")
+
+
+class FederateParams(Section):
+    rounds: int = Field(4, ge=1, description="DiLoCo outer rounds.")
+    inner_steps: int = Field(50, ge=1, description="H, inner AdamW steps per round.")
+    outer_lr: float = Field(0.7, gt=0.0, le=10.0, description="Outer Nesterov learning rate.")
+    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0, description="Outer Nesterov momentum.")
+    transport: Literal["fp32", "int8", "secure_int8"] = Field("fp32", description="Wire encoding.")
+
+
+class GaugeParams(Section):
+    pair_samples: int = Field(4, ge=0, description="Site pairs sampled per round (never all O(C^2)).")
+    collapse_drop_fraction: float = Field(0.5, gt=0.0, lt=1.0, description="Tripwire: effective-dim drop.")
+
+
+class CemParams(Section):
+    samples: int = Field(64, ge=2, description="Action sequences per CEM iteration.")
+    elites: int = Field(8, ge=1, description="Elites kept per iteration.")
+    iterations: int = Field(3, ge=1, description="CEM iterations per plan.")
+    horizon: int = Field(3, ge=1, description="Planned steps.")
+
+    @model_validator(mode="after")
+    def _elites(self) -> "CemParams":
+        if self.elites > self.samples:
+            raise ValueError(f"elites ({self.elites}) must be <= samples ({self.samples})")
+        return self
+
+
+class EvaluateParams(Section):
+    episodes: int = Field(10, ge=1, description="Closed-loop episodes per embodiment and model.")
+    max_steps: int = Field(25, ge=1, description="Environment steps per episode.")
+    cem: CemParams = Field(default_factory=CemParams)
+
+
+class Params(Section):
+    run: RunParams = Field(default_factory=RunParams)
+    data: DataParams
+    model: ModelParams = Field(default_factory=ModelParams)
+    objective: ObjectiveParams = Field(default_factory=ObjectiveParams)
+    train: TrainParams = Field(default_factory=TrainParams)
+    centralized: CentralizedParams = Field(default_factory=CentralizedParams)
+    federate: FederateParams = Field(default_factory=FederateParams)
+    gauge: GaugeParams = Field(default_factory=GaugeParams)
+    evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "Params":
+        if self.data.image_size % self.model.patch_size:
+            raise ValueError(
+                f"model.patch_size ({self.model.patch_size}) must divide data.image_size ({self.data.image_size})"
+            )
+        return self
+
+    def hash(self) -> str:
+        """sha256 of the canonical JSON of every value, defaults included."""
+        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+
+def _format_error(err: dict[str, Any]) -> str:
+    key = ".".join(str(p) for p in err["loc"]) or "params"
+    kind, ctx = err["type"], err.get("ctx", {})
+    bad = err.get("input")
+    if kind == "extra_forbidden":
+        return f"unknown key {key}"
+    if kind == "missing":
+        return f"{key} is required"
+    bounds = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
+    if kind in bounds:
+        limit = next(iter(ctx.values()))
+        return f"{key} must be {bounds[kind]} {limit}, got {bad!r}"
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"{key}: {msg}, got {bad!r}" if kind != "value_error" else f"{key}: {msg}" if key != "params" else msg
+
+
+def parse_params(raw: Any) -> Params:
+    """Validate a raw mapping; ConfigError naming the first bad key."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"params must be a mapping of sections, got {type(raw).__name__}")
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise ConfigError(_format_error(first)) from None
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    """Read and validate `params.yaml`; ConfigError if missing, unparsable or invalid."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"params file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"params file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    return parse_params(raw)

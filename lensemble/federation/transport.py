@@ -1,0 +1,182 @@
+"""The wire between sites and the aggregator: one interface, several encodings.
+
+The round loop (`lensemble.federation.rounds`) is written once against `Transport`; a transport
+decides how a site's pseudo-gradient Δ_c is put on the wire (plain fp32, int8, secure int8) and how
+the aggregator turns the accepted payloads into the weighted mean Δ̄ = Σ_c w_c Δ_c.
+
+Protocol per round, in this order:
+1. `begin_round(ctx)` - key agreement etc.; returns the setup bytes each site put on the wire.
+2. `announce(ctx, site, delta)` on every site - optional small message (for example the scale a
+   shared quantization grid needs); `agree(ctx, announcements)` on the aggregator.
+3. `encode(ctx, site, delta)` on every site - the serialized update.
+4. `aggregate(ctx, payloads)` on the aggregator - verify each payload and return Δ̄ (fp32) computed
+   in sorted site order with fp64 or exact integer accumulation.
+
+`payload` bytes are exactly what the comms accountant counts.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from lensemble.errors import IntegrityError
+
+ParamSpec = tuple[tuple[str, tuple[int, ...]], ...]
+"""Ordered (name, shape) of every federated tensor; the same at every site."""
+
+
+def param_spec(state: Mapping[str, torch.Tensor]) -> ParamSpec:
+    """The spec of a state dict, in sorted name order."""
+    return tuple((name, tuple(state[name].shape)) for name in sorted(state))
+
+
+def spec_numel(spec: ParamSpec) -> int:
+    """Number of scalar parameters a spec describes."""
+    total = 0
+    for _, shape in spec:
+        n = 1
+        for s in shape:
+            n *= s
+        total += n
+    return total
+
+
+@dataclass(frozen=True)
+class RoundContext:
+    """What every party knows about a round before it starts."""
+
+    run_id: str
+    round_idx: int
+    site_ids: tuple[str, ...]
+    spec: ParamSpec
+    weights: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if tuple(sorted(self.site_ids)) != self.site_ids:
+            raise ValueError("RoundContext.site_ids must be sorted")
+
+    def weight(self, site: str) -> float:
+        """w_c; uniform when no weights were given."""
+        if not self.weights:
+            return 1.0 / len(self.site_ids)
+        return float(self.weights[site])
+
+
+def check_delta(ctx: RoundContext, site: str, delta: Mapping[str, torch.Tensor]) -> None:
+    """Names, shapes, dtype and finiteness of a site's Δ_c against the round's spec."""
+    if site not in ctx.site_ids:
+        raise IntegrityError(f"site {site!r} is not in the federation {list(ctx.site_ids)}")
+    names = tuple(sorted(delta))
+    expected = tuple(name for name, _ in ctx.spec)
+    if names != expected:
+        extra = sorted(set(names) - set(expected))
+        missing = sorted(set(expected) - set(names))
+        raise IntegrityError(f"update from {site!r} has wrong names: extra {extra}, missing {missing}")
+    for name, shape in ctx.spec:
+        t = delta[name]
+        if tuple(t.shape) != shape:
+            raise IntegrityError(f"update from {site!r}: {name} has shape {tuple(t.shape)}, expected {shape}")
+        if not torch.isfinite(t).all():
+            raise IntegrityError(f"update from {site!r}: {name} holds NaN or Inf")
+
+
+def flatten(spec: ParamSpec, delta: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Concatenate a state dict into one fp32 vector in spec order."""
+    return torch.cat([delta[name].detach().reshape(-1).to(torch.float32) for name, _ in spec])
+
+
+def unflatten(spec: ParamSpec, vec: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Inverse of `flatten`."""
+    out: dict[str, torch.Tensor] = {}
+    offset = 0
+    for name, shape in spec:
+        n = 1
+        for s in shape:
+            n *= s
+        out[name] = vec[offset : offset + n].reshape(shape).clone()
+        offset += n
+    return out
+
+
+def spec_hash(spec: ParamSpec) -> str:
+    """A short hash binding a payload to the federated parameter layout."""
+    return hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:16]
+
+
+def pack_header(header: dict) -> bytes:
+    """Length-prefixed canonical JSON header (u32 little endian length)."""
+    raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    return struct.pack("<I", len(raw)) + raw
+
+
+def unpack_header(payload: bytes, site: str) -> tuple[dict, memoryview]:
+    """Split a payload into its header and body; IntegrityError if it is malformed."""
+    if len(payload) < 4:
+        raise IntegrityError(f"update from {site!r} is truncated ({len(payload)} bytes)")
+    (n,) = struct.unpack_from("<I", payload, 0)
+    if 4 + n > len(payload):
+        raise IntegrityError(f"update from {site!r} has a header longer than the payload")
+    try:
+        header = json.loads(bytes(payload[4 : 4 + n]))
+    except ValueError as exc:
+        raise IntegrityError(f"update from {site!r} has an unreadable header: {exc}") from None
+    return header, memoryview(payload)[4 + n :]
+
+
+class Transport(ABC):
+    """How Δ_c travels; see the module docstring for the call order."""
+
+    name: str = ""
+
+    def begin_round(self, ctx: RoundContext) -> dict[str, int]:
+        """Per-round setup; returns setup bytes per site (0 when there is none)."""
+        return {site: 0 for site in ctx.site_ids}
+
+    def announce(self, ctx: RoundContext, site: str, delta: Mapping[str, torch.Tensor]) -> bytes:
+        """An optional small message before `encode`; empty by default."""
+        return b""
+
+    def agree(self, ctx: RoundContext, announcements: Mapping[str, bytes]) -> None:
+        """The aggregator's answer to the announcements; nothing by default."""
+
+    @abstractmethod
+    def encode(self, ctx: RoundContext, site: str, delta: Mapping[str, torch.Tensor]) -> bytes:
+        """Serialize (and protect) one site's Δ_c."""
+
+    @abstractmethod
+    def aggregate(self, ctx: RoundContext, payloads: Mapping[str, bytes]) -> dict[str, torch.Tensor]:
+        """Verify every payload and return Δ̄ = Σ_c w_c Δ_c (fp32), deterministically."""
+
+
+class PlainFP32(Transport):
+    """Full-precision deltas: header + raw little-endian fp32; fp64 accumulation in site order."""
+
+    name = "fp32"
+
+    def encode(self, ctx: RoundContext, site: str, delta: Mapping[str, torch.Tensor]) -> bytes:
+        check_delta(ctx, site, delta)
+        header = {"run": ctx.run_id, "round": ctx.round_idx, "site": site, "spec": spec_hash(ctx.spec)}
+        body = flatten(ctx.spec, delta).numpy().astype("<f4").tobytes()
+        return pack_header(header) + body
+
+    def aggregate(self, ctx: RoundContext, payloads: Mapping[str, bytes]) -> dict[str, torch.Tensor]:
+        numel = spec_numel(ctx.spec)
+        acc = torch.zeros(numel, dtype=torch.float64)
+        for site in sorted(payloads):
+            header, body = unpack_header(payloads[site], site)
+            expected = {"run": ctx.run_id, "round": ctx.round_idx, "site": site, "spec": spec_hash(ctx.spec)}
+            if header != expected:
+                raise IntegrityError(f"update from {site!r} is bound to {header}, expected {expected}")
+            if len(body) != 4 * numel:
+                raise IntegrityError(f"update from {site!r} has {len(body)} body bytes, expected {4 * numel}")
+            vec = torch.frombuffer(bytearray(body), dtype=torch.float32)
+            if not torch.isfinite(vec).all():
+                raise IntegrityError(f"update from {site!r} holds NaN or Inf")
+            acc += vec.to(torch.float64) * ctx.weight(site)
+        return unflatten(ctx.spec, acc.to(torch.float32))

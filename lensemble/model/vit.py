@@ -1,0 +1,89 @@
+"""ViT encoder f_θ: frames → latent tokens.
+
+Shape legend: B batch, T frames per clip, C channels (3), H/W image side, N tokens per frame
+(patches), D latent width.
+
+Configurations follow the ViT paper's family (tiny 192/12/3, small 384/12/6, base 768/12/12,
+large 1024/24/16) plus `micro`, a 2-block width-64 encoder for the CPU walking skeleton.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lensemble.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ViTConfig:
+    width: int
+    depth: int
+    heads: int
+    mlp_ratio: float = 4.0
+
+
+VIT_CONFIGS: dict[str, ViTConfig] = {
+    "micro": ViTConfig(64, 2, 4),
+    "tiny": ViTConfig(192, 12, 3),
+    "small": ViTConfig(384, 12, 6),
+    "base": ViTConfig(768, 12, 12),
+    "large": ViTConfig(1024, 24, 16),
+}
+
+
+def vit_config(name: str) -> ViTConfig:
+    """The named configuration; ConfigError for an unknown name."""
+    if name not in VIT_CONFIGS:
+        raise ConfigError(f"model.encoder: unknown ViT config {name!r}; known: {sorted(VIT_CONFIGS)}")
+    return VIT_CONFIGS[name]
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; `mask` is an additive or boolean attention mask."""
+
+    def __init__(self, width: int, heads: int, mlp_ratio: float) -> None:
+        super().__init__()
+        if width % heads:
+            raise ConfigError(f"transformer width {width} must be divisible by heads {heads}")
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.norm2 = nn.LayerNorm(width)
+        hidden = int(width * mlp_ratio)
+        self.mlp = nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
+
+    def forward(self, x_BSD: torch.Tensor, mask_SS: torch.Tensor | None = None) -> torch.Tensor:
+        B, S, D = x_BSD.shape
+        qkv = self.qkv(self.norm1(x_BSD)).reshape(B, S, 3, self.heads, D // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [B, heads, S, D/heads]
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_SS)
+        x_BSD = x_BSD + self.proj(attn.transpose(1, 2).reshape(B, S, D))
+        return x_BSD + self.mlp(self.norm2(x_BSD))
+
+
+class ViTEncoder(nn.Module):
+    """Per-frame ViT: patch embedding, learned positions, blocks, final norm."""
+
+    def __init__(self, cfg: ViTConfig, image_size: int, patch_size: int) -> None:
+        super().__init__()
+        if image_size % patch_size:
+            raise ConfigError(f"model.patch_size {patch_size} must divide data.image_size {image_size}")
+        self.width = cfg.width
+        self.num_tokens = (image_size // patch_size) ** 2
+        self.patch = nn.Conv2d(3, cfg.width, kernel_size=patch_size, stride=patch_size)
+        self.pos = nn.Parameter(torch.randn(1, self.num_tokens, cfg.width) * 0.02)
+        self.blocks = nn.ModuleList(Block(cfg.width, cfg.heads, cfg.mlp_ratio) for _ in range(cfg.depth))
+        self.norm = nn.LayerNorm(cfg.width)
+
+    def forward(self, frames_BTCHW: torch.Tensor) -> torch.Tensor:
+        """[B, T, 3, H, W] → [B, T, N, D]."""
+        B, T = frames_BTCHW.shape[:2]
+        x = self.patch(frames_BTCHW.flatten(0, 1))  # [B*T, D, H/p, W/p]
+        x = x.flatten(2).transpose(1, 2) + self.pos  # [B*T, N, D]
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x).reshape(B, T, self.num_tokens, self.width)

@@ -1,0 +1,56 @@
+"""The world model: encoder f_θ and predictor g_φ (federated) plus one action head per embodiment (local).
+
+`federated_state` / `load_federated` are the federation map: the only parameters that ever enter a
+pseudo-gradient are those under `encoder.` and `predictor.`; action heads never do.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from lensemble.config import ModelParams
+from lensemble.model.predictor import ActionHead, Predictor
+from lensemble.model.vit import ViTEncoder, vit_config
+
+FEDERATED_PREFIXES = ("encoder.", "predictor.")
+
+
+class WorldModel(nn.Module):
+    """f_θ + g_φ + {h_ψ^(c)}."""
+
+    def __init__(self, params: ModelParams, image_size: int, action_dims: Mapping[str, int], max_steps: int = 64) -> None:
+        super().__init__()
+        cfg = vit_config(params.encoder)
+        self.encoder = ViTEncoder(cfg, image_size, params.patch_size)
+        self.predictor = Predictor(
+            cfg.width, self.encoder.num_tokens, params.action_dim, params.predictor_width,
+            params.predictor_depth, params.predictor_heads, max_steps,
+        )
+        self.action_heads = nn.ModuleDict({name: ActionHead(k, params.action_dim) for name, k in sorted(action_dims.items())})
+
+    @property
+    def latent_dim(self) -> int:
+        return self.encoder.width
+
+
+def federated_state(model: WorldModel) -> dict[str, torch.Tensor]:
+    """Detached fp32 copies of the federated parameters, by name."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith(FEDERATED_PREFIXES)}
+
+
+def local_state(model: WorldModel) -> dict[str, torch.Tensor]:
+    """Detached copies of the parameters that stay at the site (action heads)."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if not n.startswith(FEDERATED_PREFIXES)}
+
+
+def load_federated(model: WorldModel, state: Mapping[str, torch.Tensor]) -> None:
+    """Copy federated tensors into the model in place; the names must match exactly."""
+    params = dict(model.named_parameters())
+    expected = {n for n in params if n.startswith(FEDERATED_PREFIXES)}
+    if set(state) != expected:
+        raise KeyError(f"federated state names differ: extra {sorted(set(state) - expected)[:3]}, missing {sorted(expected - set(state))[:3]}")
+    with torch.no_grad():
+        for n, t in state.items():
+            params[n].copy_(t)

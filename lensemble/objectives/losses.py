@@ -1,0 +1,72 @@
+"""The objective L = L_pred + λ_sig · SIGReg(z) + λ_anc · L_anchor (DESIGN.md §2), as pure functions.
+
+Shape legend: B batch, T frames, N tokens, D latent width, K action dim, P probe frames.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lensemble.model.predictor import ActionHead, Predictor, rollout
+from lensemble.model.vit import ViTEncoder
+from lensemble.objectives.sigreg import sigreg
+
+
+@dataclass(frozen=True)
+class LossTerms:
+    total: torch.Tensor
+    pred: torch.Tensor
+    sigreg: torch.Tensor
+    anchor: torch.Tensor
+
+
+def prediction_loss(predictor: Predictor, z_BTND: torch.Tensor, act_BTA: torch.Tensor, rollout_steps: int) -> torch.Tensor:
+    """Teacher-forced MSE of ẑ_{t+1} vs z_{t+1}, plus an autoregressive rollout from z_0."""
+    pred = predictor(z_BTND[:, :-1], act_BTA[:, :-1])  # [B, T-1, N, D]
+    loss = F.mse_loss(pred, z_BTND[:, 1:])
+    k = min(rollout_steps, z_BTND.shape[1] - 1)
+    if k > 0:
+        roll = rollout(predictor, z_BTND[:, 0], act_BTA[:, :k])  # [B, k, N, D]
+        loss = loss + F.mse_loss(roll, z_BTND[:, 1 : k + 1])
+    return loss
+
+
+def anchor_loss(encoder: ViTEncoder, probe_PCHW: torch.Tensor, global_probe_PND: torch.Tensor) -> torch.Tensor:
+    """MSE between the local encoder's probe embeddings and the round-start global encoder's."""
+    z = encoder(probe_PCHW[:, None])[:, 0]  # [P, N, D]
+    return F.mse_loss(z, global_probe_PND)
+
+
+def world_model_loss(
+    encoder: ViTEncoder,
+    predictor: Predictor,
+    head: ActionHead,
+    frames_BTCHW: torch.Tensor,
+    actions_BTK: torch.Tensor,
+    directions_DM: torch.Tensor,
+    sigreg_index: torch.Tensor | None = None,
+    *,
+    sigreg_weight: float,
+    anchor_weight: float,
+    num_knots: int,
+    t_max: float,
+    rollout_steps: int,
+    probe_PCHW: torch.Tensor | None = None,
+    global_probe_PND: torch.Tensor | None = None,
+) -> LossTerms:
+    """All terms of L for one batch; the anchor is 0 when no global probe embedding is given."""
+    z = encoder(frames_BTCHW)  # [B, T, N, D]
+    act = head(actions_BTK)  # [B, T, A]
+    pred = prediction_loss(predictor, z, act, rollout_steps)
+    tokens = z.flatten(0, 2)  # [B*T*N, D]
+    if sigreg_index is not None:
+        tokens = tokens[sigreg_index]
+    reg = sigreg(tokens, directions_DM, num_knots, t_max)
+    if probe_PCHW is not None and global_probe_PND is not None and anchor_weight > 0:
+        anc = anchor_loss(encoder, probe_PCHW, global_probe_PND)
+    else:
+        anc = torch.zeros((), dtype=pred.dtype)
+    total = pred.float() + sigreg_weight * reg.float() + anchor_weight * anc.float()
+    return LossTerms(total, pred.detach(), reg.detach(), anc.detach())

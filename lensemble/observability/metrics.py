@@ -1,0 +1,49 @@
+"""The metrics JSONL sink: the local record of truth, mirrored to MLflow by the stage runner.
+
+One object per line: run_id, stage, round, participant, name, value, step, timestamp. Names must be
+canonical (DESIGN.md §7); values must be finite-or-not floats (INV-REDACTION: scalars only).
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+CANONICAL = re.compile(r"^(loss/(pred|sigreg|anchor)|gauge/(drift_angle_deg|drift_angle_max_deg|procrustes_residual|effective_dim|rankme|participation_ratio|reflection)|fed/(comm_bytes|quant_ratio|round_seconds|outer_step_seconds|bytes_per_param)|dp/[a-z0-9_]+|eval/[a-z0-9_/]+|perf/[a-z0-9_/]+)$")
+
+
+class MetricsSink:
+    """Appends canonical scalar metrics to a JSONL file and keeps them for mirroring."""
+
+    def __init__(self, path: Path, run_id: str, stage: str) -> None:
+        self.path = Path(path)
+        self.run_id = run_id
+        self.stage = stage
+        self.records: list[dict] = []
+
+    def log(self, name: str, value: float, step: int = 0, round_idx: int | None = None, participant: str | None = None) -> None:
+        """Record one scalar; ValueError for a non-canonical name or a non-scalar value."""
+        if not CANONICAL.match(name):
+            raise ValueError(f"metric name {name!r} is not canonical (DESIGN.md §7)")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"metric {name} must be a scalar number, got {type(value).__name__}")
+        self.records.append(
+            {"run_id": self.run_id, "stage": self.stage, "round": round_idx, "participant": participant,
+             "name": name, "value": float(value), "step": int(step), "timestamp": time.time()}
+        )
+
+    def flush(self) -> None:
+        """Append the buffered records to the JSONL file (called once the stage succeeded)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            for rec in self.records:
+                f.write(json.dumps(rec, sort_keys=True) + "\n")
+
+
+def read_metrics(path: Path, stage: str | None = None) -> list[dict]:
+    """All records of a JSONL file, optionally of one stage."""
+    if not Path(path).is_file():
+        return []
+    out = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [r for r in out if stage is None or r["stage"] == stage]

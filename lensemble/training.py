@@ -1,0 +1,105 @@
+"""Local training: the inner loop every site runs, and Stage A's pooled loop.
+
+Both are `train_steps`: AdamW over batches drawn from one or more embodiments' WindowSamplers, with
+SIGReg directions keyed by (run seed, round, step) so every site and every rerun projects alike.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from lensemble.config import ObjectiveParams, TrainParams
+from lensemble.data.windows import WindowSampler
+from lensemble.model.world_model import WorldModel
+from lensemble.objectives.losses import world_model_loss
+from lensemble.objectives.sigreg import random_directions
+from lensemble.seeds import generator
+
+
+@dataclass
+class StepLog:
+    """Per-step scalar losses, averaged by `mean()`."""
+
+    pred: list[float] = field(default_factory=list)
+    sigreg: list[float] = field(default_factory=list)
+    anchor: list[float] = field(default_factory=list)
+
+    def mean(self) -> dict[str, float]:
+        out = {}
+        for name in ("pred", "sigreg", "anchor"):
+            vals = getattr(self, name)
+            out[f"loss/{name}"] = sum(vals) / max(len(vals), 1)
+        return out
+
+
+def make_optimizer(model: WorldModel, train: TrainParams) -> torch.optim.AdamW:
+    """Inner AdamW over every trainable parameter (federated and local)."""
+    return torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=train.weight_decay)
+
+
+def autocast_context(precision: str):
+    """bf16 autocast when asked (CPU or CUDA); a no-op context for fp32."""
+    if precision == "bf16":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return torch.autocast(device_type=device, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def train_steps(
+    model: WorldModel,
+    optimizer: torch.optim.Optimizer,
+    samplers: Sequence[tuple[str, WindowSampler]],
+    steps: int,
+    *,
+    train: TrainParams,
+    objective: ObjectiveParams,
+    run_seed: int,
+    round_idx: int,
+    data_key: str,
+    probe_PCHW: torch.Tensor | None = None,
+    global_probe_PND: torch.Tensor | None = None,
+    on_step: Callable[[int, Mapping[str, float]], None] | None = None,
+) -> StepLog:
+    """`steps` AdamW steps; step i trains on samplers[i % len(samplers)] (round-robin pooling)."""
+    model.train()
+    log = StepLog()
+    batch_gen = generator(run_seed, "windows", round_idx, data_key)
+    probe_gen = generator(run_seed, "probe_batch", round_idx, data_key)
+    for step in range(steps):
+        embodiment, sampler = samplers[step % len(samplers)]
+        frames, actions = sampler.sample(train.batch_size, batch_gen)
+        sig_gen = generator(run_seed, "sigreg", round_idx, step=step)
+        directions = random_directions(model.latent_dim, objective.sketch_dim, sig_gen)
+        num_tokens = frames.shape[0] * frames.shape[1] * model.encoder.num_tokens
+        sig_index = torch.randperm(num_tokens, generator=sig_gen)[: objective.sigreg_tokens] if num_tokens > objective.sigreg_tokens else None
+        probe = global_probe = None
+        if probe_PCHW is not None and global_probe_PND is not None:
+            idx = torch.randint(0, probe_PCHW.shape[0], (min(objective.probe_batch, probe_PCHW.shape[0]),), generator=probe_gen)
+            probe, global_probe = probe_PCHW[idx], global_probe_PND[idx]
+        with autocast_context(train.precision):
+            terms = world_model_loss(
+                model.encoder, model.predictor, model.action_heads[embodiment], frames, actions, directions, sig_index,
+                sigreg_weight=objective.sigreg_weight, anchor_weight=objective.anchor_weight,
+                num_knots=objective.num_knots, t_max=objective.t_max, rollout_steps=objective.rollout_steps,
+                probe_PCHW=probe, global_probe_PND=global_probe,
+            )
+        optimizer.zero_grad(set_to_none=True)
+        terms.total.backward()
+        optimizer.step()
+        log.pred.append(float(terms.pred))
+        log.sigreg.append(float(terms.sigreg))
+        log.anchor.append(float(terms.anchor))
+        if on_step is not None:
+            on_step(step, {"loss/pred": log.pred[-1], "loss/sigreg": log.sigreg[-1], "loss/anchor": log.anchor[-1]})
+    return log
+
+
+@torch.no_grad()
+def encode_frames(model: WorldModel, frames_PCHW: torch.Tensor, batch: int = 256) -> torch.Tensor:
+    """Encoder embeddings of single frames, [P, N, D], in eval mode and fp32."""
+    model.eval()
+    out = [model.encoder(frames_PCHW[i : i + batch, None])[:, 0] for i in range(0, frames_PCHW.shape[0], batch)]
+    return torch.cat(out).float()

@@ -1,0 +1,79 @@
+"""Stage-level operations shared by the Prefect tasks: load a site's data, build a model, probe frames.
+
+Each function does one piece of work on explicit inputs; the tasks in `tasks/` only load, call and
+write.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from lensemble.config import Params
+from lensemble.data.episodes import Episodes, read_episodes
+from lensemble.data.windows import WindowSampler, frames_to_tensor
+from lensemble.errors import ConfigError
+from lensemble.model.world_model import WorldModel
+from lensemble.paths import Layout
+from lensemble.seeds import derive_seed
+from lensemble.sim.registry import make_embodiment
+
+PROBE_STRIDE = 4  # every 4th frame of each probe episode: enough coverage, a small probe
+
+
+def site_names(params: Params) -> list[str]:
+    """Site ids in the fixed (sorted) reduction order."""
+    return sorted(s.name for s in params.data.sites)
+
+
+def site_embodiment(params: Params, site: str) -> str:
+    """The embodiment of a site; ConfigError for an unknown site name."""
+    for s in params.data.sites:
+        if s.name == site:
+            return s.embodiment
+    raise ConfigError(f"unknown site {site!r}; sites in params: {site_names(params)}")
+
+
+def action_dims(params: Params) -> dict[str, int]:
+    """Action dimension of every embodiment in the federation."""
+    dims = {}
+    for s in params.data.sites:
+        env = make_embodiment(s.embodiment, params.data.image_size)
+        dims[s.embodiment] = env.action_dim
+        env.close()
+    return dims
+
+
+def build_model(params: Params, purpose: str) -> WorldModel:
+    """A freshly initialised world model, seeded by (run seed, purpose)."""
+    torch.manual_seed(derive_seed(params.run.seed, f"init/{purpose}"))
+    return WorldModel(params.model, params.data.image_size, action_dims(params), max_steps=max(params.data.num_steps, params.evaluate.cem.horizon + 1))
+
+
+def load_site(layout: Layout, params: Params, site: str) -> Episodes:
+    """A site's episodes (DataError naming the file on any defect)."""
+    return read_episodes(layout.site_episodes(site), params.data.image_size)
+
+
+def sampler_for(eps: Episodes, params: Params) -> WindowSampler:
+    return WindowSampler(eps, params.data.num_steps)
+
+
+def embodiments(params: Params) -> list[str]:
+    """Distinct embodiments in the federation, sorted."""
+    return sorted({s.embodiment for s in params.data.sites})
+
+
+def probe_frames(layout: Layout, params: Params) -> torch.Tensor:
+    """The public probe P as normalised frames [P, 3, H, W] (every PROBE_STRIDE-th frame)."""
+    chunks = []
+    for emb in embodiments(params):
+        eps = read_episodes(layout.probe(emb), params.data.image_size)
+        chunks.append(eps.frames_ELHWC[:, ::PROBE_STRIDE].reshape(-1, *eps.frames_ELHWC.shape[2:]))
+    return frames_to_tensor(np.concatenate(chunks))
+
+
+def eval_seeds(params: Params, embodiment: str) -> Sequence[int]:
+    """Fixed evaluation episode seeds, disjoint in namespace from every data-generation seed."""
+    return [derive_seed(params.run.seed, f"eval/{embodiment}", participant=str(i)) % (2**32) for i in range(params.evaluate.episodes)]

@@ -1,0 +1,75 @@
+"""Prefect tasks of the gauge and evaluate stages."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from prefect import task
+from prefect.cache_policies import NONE
+
+from lensemble.config import Params
+from lensemble.errors import DataError
+from lensemble.evaluation import evaluate
+from lensemble.gauge import drift, effective_dim, pool_tokens
+from lensemble.model.world_model import WorldModel, load_federated
+from lensemble.paths import Layout
+from lensemble.planning.cem import CEMConfig
+from lensemble.seeds import generator
+from lensemble.sim.registry import make_embodiment
+from lensemble.training import encode_frames
+from lensemble.workflow import build_model, eval_seeds, probe_frames, site_embodiment, site_names
+
+
+def _require(path: Path, what: str) -> Path:
+    if not path.is_file():
+        raise DataError(f"{what} {path} does not exist: run its stage first (dvc repro)")
+    return path
+
+
+def load_centralized(params: Params, layout: Layout) -> WorldModel:
+    """The Stage A model."""
+    model = build_model(params, "centralized")
+    model.load_state_dict(torch.load(_require(layout.models / "centralized.pt", "Stage A model"), weights_only=True))
+    return model.eval()
+
+
+def load_federated_for_site(params: Params, layout: Layout, site: str) -> WorldModel:
+    """The Stage B global encoder + predictor with `site`'s own local action head."""
+    model = build_model(params, f"site/{site}")
+    saved = torch.load(_require(layout.site_state(site), f"site {site!r} state"), weights_only=True)
+    model.load_state_dict(saved["model"])
+    load_federated(model, torch.load(_require(layout.models / "federated.pt", "Stage B model"), weights_only=True))
+    return model.eval()
+
+
+@task(name="gauge-final", cache_policy=NONE)
+def gauge_final(params: Params, layout: Layout) -> dict:
+    """Final-model diagnostics on the probe: Stage A vs Stage B frame drift and effective dimensions."""
+    probe = probe_frames(layout, params)
+    central = pool_tokens(encode_frames(load_centralized(params, layout), probe))
+    sites = site_names(params)
+    fed = pool_tokens(encode_frames(load_federated_for_site(params, layout, sites[0]), probe))
+    return {
+        "federated_vs_centralized": drift(fed, central),
+        "effective_dim": {"centralized": effective_dim(central), "federated": effective_dim(fed)},
+        "latent_dim": int(central.shape[1]),
+        "probe_frames": int(probe.shape[0]),
+    }
+
+
+@task(name="evaluate-site", cache_policy=NONE)
+def evaluate_site(params: Params, layout: Layout, site: str) -> dict:
+    """Closed-loop success of Stage A, Stage B and random actions on one site's embodiment."""
+    torch.set_num_threads(params.run.torch_threads)
+    embodiment = site_embodiment(params, site)
+    env = make_embodiment(embodiment, params.data.image_size)
+    c = params.evaluate.cem
+    cfg = CEMConfig(c.samples, c.elites, c.iterations, c.horizon)
+    seeds = eval_seeds(params, embodiment)
+    models = {"centralized": load_centralized(params, layout), "federated": load_federated_for_site(params, layout, site), "random": None}
+    out = {}
+    for name, model in models.items():
+        gen = generator(params.run.seed, f"cem/{name}", participant=site)
+        out[name] = evaluate(env, seeds, params.evaluate.max_steps, model, cfg, gen)
+    env.close()
+    return {"embodiment": embodiment, **out}

@@ -1,0 +1,138 @@
+"""The stage runner: params, metrics sink, staged outputs, RunManifest and MLflow for one stage.
+
+Outputs are written under a staging folder and moved into place only when the stage succeeded, so a
+failed stage leaves nothing half-written in `reports/` or `models/`; its MLflow run is marked FAILED
+with the reason.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lensemble.budgets import evaluate_budgets, load_budgets, violations
+from lensemble.config import Params, load_params
+from lensemble.errors import BudgetExceeded
+from lensemble.observability.hardware import hardware_class
+from lensemble.observability.manifest import build_manifest, git_state
+from lensemble.observability.metrics import MetricsSink
+from lensemble.paths import Layout
+from tasks.tracking import Tracker
+
+
+@dataclass
+class Outputs:
+    """Files a stage produces, staged until commit."""
+
+    root: Path
+    staging: Path
+    written: list[Path] = field(default_factory=list)
+
+    def path(self, rel: str) -> Path:
+        """A staging path for `rel` (relative to the project root); the parent exists."""
+        p = self.staging / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        self.written.append(Path(rel))
+        return p
+
+    def write_json(self, rel: str, obj: object) -> Path:
+        p = self.path(rel)
+        p.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+        return p
+
+    def commit(self) -> list[Path]:
+        """Move every staged file into place (rename within one filesystem)."""
+        final = []
+        for rel in dict.fromkeys(self.written):
+            src, dst = self.staging / rel, self.root / rel
+            if src.exists():
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(src, dst)
+                final.append(dst)
+        shutil.rmtree(self.staging, ignore_errors=True)
+        return final
+
+
+@dataclass
+class StageContext:
+    stage: str
+    params: Params
+    layout: Layout
+    sink: MetricsSink
+    out: Outputs
+    hw_class: str
+    seeds: dict = field(default_factory=dict)
+    data_manifests: dict = field(default_factory=dict)
+    measured: dict[str, float] = field(default_factory=dict)
+    extra_manifest: dict = field(default_factory=dict)
+
+    def metric(self, name: str, value: float, step: int = 0, round_idx: int | None = None, participant: str | None = None) -> None:
+        self.sink.log(name, value, step, round_idx, participant)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, str]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = json.dumps(v) if isinstance(v, (list, tuple)) else str(v)
+    return out
+
+
+@contextmanager
+def stage_run(stage: str, root: Path | str = ".", params_path: str = "params.yaml") -> Iterator[StageContext]:
+    """Run one stage's body with tracking; see the module docstring."""
+    layout = Layout(Path(root))
+    started = time.time()
+    params = load_params(layout.root / params_path)  # ConfigError before anything is created
+    tracker = Tracker(layout.root)
+    commit, dirty = git_state(layout.root)
+    hw = hardware_class(params.run.hardware_class)
+    tags = {"lensemble.stage": stage, "lensemble.hardware_class": hw, "lensemble.git_commit": commit,
+            "lensemble.git_dirty": str(dirty), "lensemble.params_hash": params.hash()}
+    parent = tracker.parent_run(f"{params.hash()[:16]}-{commit[:12]}{'-dirty' if dirty else ''}", tags)
+    run_id = tracker.start_stage(parent, stage, tags)
+    staging = layout.root / ".staging" / f"{stage}-{run_id}"
+    ctx = StageContext(stage, params, layout, MetricsSink(layout.metrics(), run_id, stage), Outputs(layout.root, staging), hw)
+    ctx.seeds = {"run": params.run.seed}
+    for s in params.data.sites:
+        if layout.site_manifest(s.name).is_file():
+            ctx.data_manifests[s.name] = json.loads(layout.site_manifest(s.name).read_text())
+    try:
+        yield ctx
+        ctx.measured.setdefault("perf/stage_seconds", time.time() - started)
+        budgets = load_budgets(layout.root / "budgets.yaml")
+        rows = evaluate_budgets(budgets, stage, hw, ctx.measured)
+        bad = violations(rows)
+        if bad:
+            raise BudgetExceeded(f"{stage}: invariant budget {bad[0]['name']} is {bad[0]['status']} its band ({bad[0]['value']})")
+        manifest_rel = str(layout.manifest(stage).relative_to(layout.root))
+        artifacts = [ctx.out.staging / p for p in ctx.out.written]
+        manifest = build_manifest(
+            run_id=run_id, stage=stage, parent_run=parent, started=started, root=layout.root,
+            params=params.model_dump(mode="json"), params_hash=params.hash(), seeds=ctx.seeds, hw_override=params.run.hardware_class,
+            data_manifests=ctx.data_manifests, artifacts=artifacts, budgets=rows, extra=ctx.extra_manifest,
+        )
+        manifest["artifacts"] = {str(Path(k).relative_to(ctx.out.staging)): v for k, v in manifest["artifacts"].items()}
+        manifest_path = ctx.out.write_json(manifest_rel, manifest)
+        metrics = [(r["name"], r["value"], r["step"], r["timestamp"]) for r in ctx.sink.records]
+        metrics += [(k, float(v), 0, time.time()) for k, v in ctx.measured.items()]
+        budget_tags = {f"budget.{r['name']}": r["status"] for r in rows}
+        tracker.log(run_id, _flatten(params.model_dump(mode="json")), metrics, budget_tags)
+        tracker.log_artifact(run_id, manifest_path)
+        ctx.sink.flush()
+        ctx.out.commit()
+        tracker.finish(run_id, ok=True)
+    except BaseException as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        reason = f"{type(exc).__name__}: {exc}" if str(exc) else "".join(traceback.format_exception_only(exc)).strip()
+        tracker.finish(run_id, ok=False, reason=reason)
+        raise

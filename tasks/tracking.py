@@ -1,0 +1,76 @@
+"""MLflow side of a stage: one parent run per pipeline run, one child run per stage.
+
+The tracking URI is absolute (DVC experiments run in temporary copies): `MLFLOW_TRACKING_URI` if set,
+else an SQLite file `mlflow.db` at the project root, with artifacts beside it in `mlartifacts/`.
+The parent run is found by the `lensemble.pipeline_key` tag - the params hash and the git commit -
+so every stage of one configuration lands under one parent, whichever stages DVC reruns;
+`LENSEMBLE_PIPELINE_RUN` (set by `flows/pipeline.py`) pins it explicitly.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from mlflow.entities import Metric, RunStatus
+from mlflow.tracking import MlflowClient
+
+EXPERIMENT = "lensemble"
+
+
+def tracking_uri(root: Path) -> str:
+    """The absolute tracking URI for this project."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(root).resolve() / 'mlflow.db'}"
+
+
+def _artifact_root(uri: str, root: Path) -> str | None:
+    if uri.startswith("sqlite:///"):
+        return (Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts").as_uri()
+    return None
+
+
+class Tracker:
+    """A thin client bound to the lensemble experiment."""
+
+    def __init__(self, root: Path) -> None:
+        uri = tracking_uri(root)
+        self.client = MlflowClient(tracking_uri=uri)
+        exp = self.client.get_experiment_by_name(EXPERIMENT)
+        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(EXPERIMENT, artifact_location=_artifact_root(uri, root))
+
+    def parent_run(self, pipeline_key: str, tags: dict[str, str]) -> str:
+        """The parent run for this pipeline key, created on first use."""
+        pinned = os.environ.get("LENSEMBLE_PIPELINE_RUN")
+        if pinned:
+            return pinned
+        found = self.client.search_runs([self.experiment_id], filter_string=f"tags.`lensemble.pipeline_key` = '{pipeline_key}'", max_results=1)
+        if found:
+            return found[0].info.run_id
+        run = self.client.create_run(self.experiment_id, run_name=f"pipeline-{pipeline_key[:8]}", tags={**tags, "lensemble.pipeline_key": pipeline_key, "lensemble.kind": "pipeline"})
+        self.client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.FINISHED))
+        return run.info.run_id
+
+    def start_stage(self, parent: str, stage: str, tags: dict[str, str]) -> str:
+        """A child run for one stage execution."""
+        run = self.client.create_run(self.experiment_id, run_name=stage, tags={**tags, "mlflow.parentRunId": parent, "lensemble.kind": "stage", "lensemble.stage": stage})
+        return run.info.run_id
+
+    def log(self, run_id: str, params: dict[str, str], metrics: list[tuple[str, float, int, float]], tags: dict[str, str]) -> None:
+        """Params, metrics (name, value, step, timestamp) and tags in batches."""
+        from mlflow.entities import Param, RunTag
+
+        param_list = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        for i in range(0, len(param_list), 100):
+            self.client.log_batch(run_id, params=param_list[i : i + 100])
+        metric_list = [Metric(n, v, int(ts * 1000), s) for n, v, s, ts in metrics]
+        for i in range(0, len(metric_list), 1000):
+            self.client.log_batch(run_id, metrics=metric_list[i : i + 1000])
+        self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_artifact(self, run_id: str, path: Path, subdir: str | None = None) -> None:
+        self.client.log_artifact(run_id, str(path), subdir)
+
+    def finish(self, run_id: str, ok: bool, reason: str = "") -> None:
+        """End the stage run: FINISHED, or FAILED with the reason as a tag."""
+        if not ok:
+            self.client.set_tag(run_id, "lensemble.failure_reason", reason[:5000])
+        self.client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED))
