@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
 
             print(load_params(root / "params.yaml").hash())
         elif args.cmd == "run":
+            from lensemble.config import load_params
+
+            load_params(root / "params.yaml")  # fail fast, before any server or run starts
             stage_flow(args.stage)(root=str(root))
         else:
             from flows.pipeline import pipeline_flow

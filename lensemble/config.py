@@ -34,6 +34,14 @@ class SiteParams(Section):
     embodiment: str = Field(..., description="Embodiment name from lensemble.sim.registry.")
     episodes: int = Field(..., ge=1, le=100_000, description="Episodes generated at this site.")
 
+    @model_validator(mode="after")
+    def _known_embodiment(self) -> "SiteParams":
+        from lensemble.sim.registry import EMBODIMENTS
+
+        if self.embodiment not in EMBODIMENTS:
+            raise ValueError(f"unknown embodiment {self.embodiment!r}; known: {sorted(EMBODIMENTS)}")
+        return self
+
 
 class DataParams(Section):
     image_size: int = Field(32, ge=16, le=512, description="Frame side in pixels.")
@@ -91,7 +99,9 @@ class FederateParams(Section):
     inner_steps: int = Field(50, ge=1, description="H, inner AdamW steps per round.")
     outer_lr: float = Field(0.7, gt=0.0, le=10.0, description="Outer Nesterov learning rate.")
     outer_momentum: float = Field(0.9, ge=0.0, lt=1.0, description="Outer Nesterov momentum.")
-    transport: Literal["fp32", "int8", "secure_int8"] = Field("fp32", description="Wire encoding.")
+    transport: Literal["fp32", "int8", "secure_int8"] = Field("secure_int8", description="Wire encoding.")
+    quant_block: int = Field(4096, ge=16, le=1 << 24, description="int8 quantization block (one absmax scale per block).")
+    drop_policy: Literal["continue", "abort"] = Field("continue", description="A site that fails or drops: finish the round with the survivors, or abort.")
 
 
 class GaugeParams(Section):

@@ -5,6 +5,7 @@ write.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -45,10 +46,18 @@ def action_dims(params: Params) -> dict[str, int]:
     return dims
 
 
+_INIT_LOCK = threading.Lock()
+
+
 def build_model(params: Params, purpose: str) -> WorldModel:
-    """A freshly initialised world model, seeded by (run seed, purpose)."""
-    torch.manual_seed(derive_seed(params.run.seed, f"init/{purpose}"))
-    return WorldModel(params.model, params.data.image_size, action_dims(params), max_steps=max(params.data.num_steps, params.evaluate.cem.horizon + 1))
+    """A freshly initialised world model, seeded by (run seed, purpose).
+
+    nn.Module initialisers draw from torch's global generator; site tasks run in threads, so seeding
+    and construction happen under one lock or concurrent sites would interleave their draws.
+    """
+    with _INIT_LOCK:
+        torch.manual_seed(derive_seed(params.run.seed, f"init/{purpose}"))
+        return WorldModel(params.model, params.data.image_size, action_dims(params), max_steps=max(params.data.num_steps, params.evaluate.cem.horizon + 1))
 
 
 def load_site(layout: Layout, params: Params, site: str) -> Episodes:

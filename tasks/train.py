@@ -35,12 +35,12 @@ def train_centralized(params: Params, layout: Layout, model_path: Path) -> dict:
 
 @task(name="site-train", cache_policy=NONE)
 def site_train(params: Params, layout: Layout, site: str, round_idx: int, global_state: dict, probe: torch.Tensor,
-               global_probe: torch.Tensor, state_path: Path, delta_path: Path, transport: Transport, ctx: RoundContext) -> dict:
+               global_probe: torch.Tensor, state_path: Path, delta_path: Path) -> dict:
     """H inner steps at one site from the round's global parameters.
 
     Site-local state (action head, full model, AdamW moments) is read from and written to
-    `state_path`; Δ_c is kept at the site in `delta_path`. What leaves: the transport announcement,
-    scalar metrics and the pooled embedding of the public probe - all through the residency guard.
+    `state_path`; Δ_c is kept at the site in `delta_path` until the round is committed. What leaves:
+    scalar metrics and the pooled embedding of the public probe - both through the residency guard.
     """
     torch.set_num_threads(params.run.torch_threads)
     embodiment = site_embodiment(params, site)
@@ -67,8 +67,15 @@ def site_train(params: Params, layout: Layout, site: str, round_idx: int, global
     metrics = {**log.mean(), "train_seconds": train_seconds, "steps": params.federate.inner_steps,
                **{f"gauge/{k}": v for k, v in gauge.items()}}
     guard.release("metrics", metrics)
-    announcement = guard.release("payload", transport.announce(ctx, site, delta))
-    return {"metrics": metrics, "announcement": announcement, "probe_embedding": guard.release("public_probe_embedding", site_probe)}
+    return {"metrics": metrics, "probe_embedding": guard.release("public_probe_embedding", site_probe)}
+
+
+@task(name="site-announce", cache_policy=NONE)
+def site_announce(layout: Layout, site: str, delta_path: Path, transport: Transport, ctx: RoundContext) -> bytes:
+    """The site's pre-encoding message (e.g. its per-block scales), through the guard."""
+    delta = torch.load(delta_path, weights_only=True)
+    guard = ResidencyGuard(site, ctx.spec, layout.site_audit(site))
+    return guard.release("payload", transport.announce(ctx, site, delta))
 
 
 @task(name="site-encode", cache_policy=NONE)
@@ -79,5 +86,4 @@ def site_encode(layout: Layout, site: str, delta_path: Path, transport: Transpor
     t0 = time.perf_counter()
     payload = transport.encode(ctx, site, delta)
     encode_seconds = time.perf_counter() - t0
-    delta_path.unlink()
     return guard.release("payload", payload), encode_seconds

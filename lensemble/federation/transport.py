@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lensemble.errors import IntegrityError
+from lensemble.errors import IntegrityError, ParticipantDropped
 
 ParamSpec = tuple[tuple[str, tuple[int, ...]], ...]
 """Ordered (name, shape) of every federated tensor; the same at every site."""
@@ -167,6 +167,12 @@ class PlainFP32(Transport):
 
     def aggregate(self, ctx: RoundContext, payloads: Mapping[str, bytes]) -> dict[str, torch.Tensor]:
         numel = spec_numel(ctx.spec)
+        unknown = sorted(set(payloads) - set(ctx.site_ids))
+        if unknown:
+            raise IntegrityError(f"update from {unknown[0]!r}: site is not in the federation {list(ctx.site_ids)}")
+        missing = sorted(set(ctx.site_ids) - set(payloads))
+        if missing:
+            raise ParticipantDropped(f"round {ctx.round_idx}: no update from {missing}; rerun the round with the surviving sites")
         acc = torch.zeros(numel, dtype=torch.float64)
         for site in sorted(payloads):
             header, body = unpack_header(payloads[site], site)

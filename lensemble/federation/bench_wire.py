@@ -1,0 +1,136 @@
+"""Wire-path micro-benchmarks: mask keystream, a site's quantize + mask, the aggregator's sum + outer step.
+
+Pure functions returning plain dicts of numbers; they write nothing. Everything runs on one core
+(`torch.set_num_threads(1)`, restored afterwards) so figures compare across machines. Full size:
+
+    python -c "from lensemble.federation import bench_wire as b
+    print(b.bench_keystream(), b.bench_quant_mask(), b.bench_aggregate(), sep='\\n')"
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from lensemble.federation import secagg
+from lensemble.federation.outer import nesterov_step
+from lensemble.federation.quant import DEFAULT_BLOCK, quantize_int8
+from lensemble.federation.secure_transport import SecureInt8Transport
+from lensemble.federation.signing import generate_site_keys, open_signed, public_keys
+from lensemble.federation.transport import RoundContext
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Best wall time of `repeats` calls (the least disturbed by other processes on a shared machine)."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def copy_bandwidth(num_bytes: int = 256 << 20, repeats: int = 3) -> float:
+    """Memory bandwidth in bytes/s of one large tensor copy (bytes read + bytes written)."""
+    with _one_thread():
+        src = torch.ones(num_bytes // 4, dtype=torch.float32)
+        dst = torch.empty_like(src)
+        return 2 * num_bytes / _best_seconds(lambda: dst.copy_(src), repeats)
+
+
+def bench_keystream(num_bytes: int = 256 << 20, repeats: int = 3, num_peers: int = 4) -> dict[str, float]:
+    """ChaCha20 keystream throughput (GB/s), and that of whole masks (`site_mask`, Z_{2^16}).
+
+    `mask_gbps` counts the keystream bytes of one site's mask with `num_peers` peers, each mask
+    num_bytes / num_peers long: key agreement, HKDF, keystream and ring additions included.
+    """
+    with _one_thread():
+        zeros, out = bytes(num_bytes), bytearray(num_bytes)
+        key = os.urandom(32)
+        keystream_s = _best_seconds(lambda: secagg.keystream_into(key, zeros, memoryview(out)), repeats)
+        keys = {f"s{i}": X25519PrivateKey.generate() for i in range(num_peers + 1)}
+        public = {site: k.public_key().public_bytes_raw() for site, k in keys.items()}
+        numel = num_bytes // num_peers // 2
+        mask_s = _best_seconds(lambda: secagg.site_mask("s0", keys["s0"], public, "bench", 0, "s", numel, 16), repeats)
+    return {
+        "num_bytes": float(num_bytes),
+        "keystream_gbps": num_bytes / keystream_s / 1e9,
+        "mask_gbps": 2 * numel * num_peers / mask_s / 1e9,
+    }
+
+
+def bench_quant_mask(
+    numel: int = 10_000_000, num_sites: int = 8, block: int = DEFAULT_BLOCK, repeats: int = 2
+) -> dict[str, float]:
+    """Seconds for one site of a secure_int8 round: quantize its update, draw its C-1 pair masks, add."""
+    with _one_thread():
+        x_N = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+        keys = {f"s{i}": X25519PrivateKey.generate() for i in range(num_sites)}
+        public = {site: key.public_key().public_bytes_raw() for site, key in keys.items()}
+        q_N, _ = quantize_int8(x_N, block)
+        quantize_s = _best_seconds(lambda: quantize_int8(x_N, block), repeats)
+        mask_s = _best_seconds(lambda: secagg.site_mask("s0", keys["s0"], public, "bench", 0, "s", numel, 16), repeats)
+        mask_N = secagg.site_mask("s0", keys["s0"], public, "bench", 0, "s", numel, 16)
+        add_s = _best_seconds(lambda: secagg.mask_codes(q_N, mask_N, 16), repeats)
+    return {
+        "numel": float(numel), "num_sites": float(num_sites), "quantize_s": quantize_s, "mask_s": mask_s,
+        "add_s": add_s, "total_s": quantize_s + mask_s + add_s,
+    }
+
+
+def bench_aggregate(
+    num_sites: int = 8, numel: int = 10_000_000, block: int = DEFAULT_BLOCK, copy_bytes: int = 256 << 20
+) -> dict[str, float]:
+    """Seconds of secure_int8 `aggregate` + the outer Nesterov step, against a memory-bandwidth floor.
+
+    Floor = bytes that must move / copy bandwidth: read C masked payloads (2 C N bytes), read the
+    params and momentum buffer (8 N) and write both back (8 N); Δ̄ itself could stay in cache in a
+    fused implementation. `ratio` = measured / floor.
+    """
+    with _one_thread():
+        spec = (("w", (numel,)),)
+        sites = tuple(f"s{i}" for i in range(num_sites))
+        ctx = RoundContext("bench", 0, sites, spec)
+        site_keys = generate_site_keys(sites)
+        transport = SecureInt8Transport(site_keys, block=block)
+
+        def delta(i: int) -> dict[str, torch.Tensor]:  # regenerated, so only one update is alive at a time
+            return {"w": torch.randn(numel, generator=torch.Generator().manual_seed(i)) * 1e-3}
+
+        transport.begin_round(ctx)
+        transport.agree(ctx, {site: transport.announce(ctx, site, delta(i)) for i, site in enumerate(sites)})
+        payloads = {site: transport.encode(ctx, site, delta(i)) for i, site in enumerate(sites)}
+        params = {"w": torch.randn(numel)}
+        momentum = {"w": torch.randn(numel)}
+        registry = public_keys(site_keys)
+        start = time.perf_counter()
+        for site in sites:
+            open_signed(payloads[site], site, registry)
+        verify_s = time.perf_counter() - start
+        start = time.perf_counter()
+        mean = transport.aggregate(ctx, payloads)
+        aggregate_s = time.perf_counter() - start
+        start = time.perf_counter()
+        nesterov_step(params, mean, momentum, lr=0.7, momentum=0.9)
+        outer_s = time.perf_counter() - start
+    bandwidth = copy_bandwidth(copy_bytes)
+    floor_s = (2 * num_sites * numel + 16 * numel) / bandwidth
+    return {
+        "num_sites": float(num_sites), "numel": float(numel), "signature_verify_s": verify_s,
+        "aggregate_s": aggregate_s, "outer_step_s": outer_s, "total_s": aggregate_s + outer_s,
+        "copy_gbps": bandwidth / 1e9, "floor_s": floor_s, "ratio": (aggregate_s + outer_s) / floor_s,
+    }

@@ -1,0 +1,64 @@
+"""Shared fixtures: offline switches, one Prefect test server per session, micro params."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("DVC_NO_ANALYTICS", "1")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="lensemble-prefect-"))
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def micro_params() -> dict:
+    """The default params shrunk to seconds: same structure, tiny counts."""
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    raw["data"].update(episode_length=8, probe_episodes=1, num_steps=3)
+    raw["data"]["sites"] = [
+        {"name": "site_a", "embodiment": "grid_point", "episodes": 3},
+        {"name": "site_b", "embodiment": "grid_thruster", "episodes": 3},
+    ]
+    raw["data"]["image_size"] = 16
+    raw["objective"]["sketch_dim"] = 8
+    raw["objective"]["sigreg_tokens"] = 64
+    raw["train"]["batch_size"] = 4
+    raw["centralized"]["steps"] = 4
+    raw["federate"].update(rounds=2, inner_steps=3)
+    raw["evaluate"].update(episodes=2, max_steps=3)
+    raw["evaluate"]["cem"].update(samples=8, elites=2, iterations=1, horizon=2)
+    return raw
+
+
+def make_project(root: Path, params: dict) -> Path:
+    """A project root with params.yaml and budgets.yaml; MLflow goes to its own SQLite file."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    shutil.copy(REPO / "budgets.yaml", root / "budgets.yaml")
+    return root
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """One temporary Prefect server (SQLite) for every test that runs a flow."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=90):
+        yield
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """A micro project root; MLflow tracking pinned to its own SQLite file."""
+    root = make_project(tmp_path / "proj", micro_params())
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+    monkeypatch.delenv("LENSEMBLE_PIPELINE_RUN", raising=False)
+    return root

@@ -1,0 +1,119 @@
+"""End to end through Prefect and MLflow on a micro config: the pipeline, determinism, bad input."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from lensemble.errors import DataError
+from tests.conftest import make_project, micro_params
+
+pytestmark = pytest.mark.e2e
+STAGES = ("prepare", "residency", "centralized", "federate", "gauge", "evaluate", "report")
+
+
+def _runs(root):
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("lensemble")
+    return client, client.search_runs([exp.experiment_id], max_results=1000)
+
+
+def test_pipeline_end_to_end(prefect_server, project):
+    from flows.pipeline import pipeline_flow
+
+    pipeline_flow(root=str(project))
+    reports = project / "reports"
+    for name in ("prepare", "residency", "centralized", "federate", "gauge", "eval", "budgets"):
+        assert (reports / f"{name}.json").is_file(), name
+    for stage in STAGES:
+        manifest = json.loads((reports / "manifests" / f"{stage}.json").read_text())
+        assert manifest["stage"] == stage and manifest["params_hash"] and manifest["hardware_class"]
+        assert set(manifest["data_manifests"]) >= {"site_a", "site_b"}
+    for png in ("losses", "drift", "comm_bytes"):
+        assert (reports / "plots" / f"{png}.png").read_bytes()[:4] == b"\x89PNG"
+    report = (reports / "report.md").read_text()
+    assert "| site_a | grid_point |" in report and "wire_bytes_per_param" in report
+    fed = json.loads((reports / "federate.json").read_text())
+    assert fed["transport"] == "secure_int8" and len(fed["global_params_sha256"]) == 64
+    assert fed["bytes_per_param"] < 2.6  # 2 bytes/param + headers, keys and signatures on a tiny model
+    ev = json.loads((reports / "eval.json").read_text())
+    assert set(ev["sites"]["site_a"]) >= {"centralized", "federated", "random"}
+    records = [json.loads(line) for line in (reports / "metrics.jsonl").read_text().splitlines()]
+    names = {r["name"] for r in records}
+    assert {"loss/pred", "loss/sigreg", "loss/anchor", "fed/comm_bytes", "gauge/drift_angle_deg", "gauge/effective_dim"} <= names
+    assert all(set(r) == {"run_id", "stage", "round", "participant", "name", "value", "step", "timestamp"} for r in records)
+    # the comms accountant: one fed/comm_bytes per (round, site), equal to the transport's own formula
+    comm = [r for r in records if r["name"] == "fed/comm_bytes"]
+    assert len(comm) == 2 * 2
+    client, runs = _runs(project)
+    parents = [r for r in runs if r.data.tags.get("lensemble.kind") == "pipeline"]
+    children = [r for r in runs if r.data.tags.get("lensemble.kind") == "stage"]
+    assert len(parents) == 1 and sorted(r.data.tags["lensemble.stage"] for r in children) == sorted(STAGES)
+    for r in children:
+        assert r.data.tags["mlflow.parentRunId"] == parents[0].info.run_id
+        assert r.info.status == "FINISHED"
+        assert {"lensemble.hardware_class", "lensemble.git_commit", "lensemble.params_hash"} <= set(r.data.tags)
+        assert any(a.path.endswith(".json") for a in client.list_artifacts(r.info.run_id))
+
+
+def test_two_federations_with_one_seed_are_bitwise_identical(prefect_server, project, tmp_path, monkeypatch):
+    from flows.federate import federate_flow
+    from flows.prepare import prepare_flow
+
+    prepare_flow(root=str(project))
+    federate_flow(root=str(project))
+    first = json.loads((project / "reports" / "federate.json").read_text())["global_params_sha256"]
+    other = make_project(tmp_path / "other", micro_params())
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{other / 'mlflow.db'}")
+    prepare_flow(root=str(other))
+    federate_flow(root=str(other))
+    assert json.loads((other / "reports" / "federate.json").read_text())["global_params_sha256"] == first
+
+
+def test_corrupt_site_data_fails_cleanly_and_marks_the_run_failed(prefect_server, project):
+    from flows.centralized import centralized_flow
+    from flows.prepare import prepare_flow
+
+    prepare_flow(root=str(project))
+    store = project / "data" / "sites" / "site_b" / "episodes.parquet"
+    store.write_bytes(store.read_bytes()[: store.stat().st_size // 2])
+    with pytest.raises(DataError, match="site_b/episodes.parquet"):
+        centralized_flow(root=str(project))
+    assert not (project / "reports" / "centralized.json").exists()
+    assert not (project / "models" / "centralized.pt").exists()
+    assert not (project / "reports" / "manifests" / "centralized.json").exists()
+    _, runs = _runs(project)
+    failed = [r for r in runs if r.data.tags.get("lensemble.stage") == "centralized"]
+    assert failed and failed[0].info.status == "FAILED"
+    assert "site_b/episodes.parquet" in failed[0].data.tags["lensemble.failure_reason"]
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda p: p["federate"].update(inner_steps=0), "federate.inner_steps must be >= 1, got 0"),
+        (lambda p: p["federate"].update(bogus=1), "unknown key federate.bogus"),
+        (lambda p: p["data"]["sites"][0].update(embodiment="nope"), "unknown embodiment 'nope'"),
+        (lambda p: p["model"].update(patch_size=5), "model.patch_size (5) must divide data.image_size (16)"),
+    ],
+)
+def test_cli_params_errors_are_one_line_and_write_nothing(tmp_path, edit, message):
+    params = micro_params()
+    edit(params)
+    root = make_project(tmp_path / "bad", params)
+    proc = subprocess.run([sys.executable, "-m", "lensemble.cli", "--root", str(root), "run", "prepare"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lensemble: error: ") and message in lines[0], proc.stderr
+    assert sorted(p.name for p in root.iterdir()) == ["budgets.yaml", "params.yaml"]
+
+
+def test_cli_unknown_stage_is_rejected(tmp_path):
+    root = make_project(tmp_path / "p", micro_params())
+    proc = subprocess.run([sys.executable, "-m", "lensemble.cli", "--root", str(root), "run", "nonsense"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "invalid choice" in proc.stderr
+    assert yaml.safe_load((root / "params.yaml").read_text())["run"]["seed"] == 0

@@ -1,0 +1,249 @@
+"""Real-simulator adapters (PushT on pymunk, MuJoCo point mass and reacher) behind `Embodiment`.
+
+gym-pusht and mujoco are project dependencies: these tests fail, not skip, when they are missing.
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from lensemble.errors import ConfigError
+from lensemble.sim.base import Embodiment
+from lensemble.sim.mujoco_envs import MujocoPointMass, MujocoReacher, wrap_angle
+from lensemble.sim.pusht import STANDARD_GOAL, PushT, pose_success, pusher_target
+from lensemble.sim.registry import make_embodiment
+
+NAMES = ("pusht", "mujoco_point", "mujoco_reacher")
+SIZE = 64
+
+# Physics goldens after reset(3) and 30 noisy expert steps (rng 0, noise 0.3): proprio, then the
+# block pose (PushT) or the target xy (MuJoCo). Pixels are not pinned: they depend on the GL driver.
+# Update deliberately when a world's XML, an expert's gains or a simulator version changes.
+GOLDEN = {
+    "pusht": ([-0.74864, 0.06018, -0.6634, -0.91814], [234.2584, 215.6868, 1.5364]),
+    "mujoco_point": ([0.1525, 0.05213, -0.09059, -0.05719], [0.1446, 0.0394]),
+    "mujoco_reacher": (
+        [0.84902, -0.0974, 0.99417, 0.52836, -0.99525, -0.10786, -0.43728, -1.21981, -0.28879],
+        [0.1192, -0.118],
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def adapters() -> Iterator[dict[str, Embodiment]]:
+    """One adapter per name, shared by the module: each holds a GL context or a physics space."""
+    made = {name: make_embodiment(name, SIZE) for name in NAMES}
+    yield made
+    for adapter in made.values():
+        adapter.close()
+
+
+def _rollout(env: Embodiment, seed: int, actions_TA: np.ndarray) -> np.ndarray:
+    """Frames [T + 1, H, W, 3] of `actions_TA` applied from reset(seed)."""
+    env.reset(seed)
+    frames = [env.render()]
+    for action in actions_TA:
+        env.step(action)
+        frames.append(env.render())
+    return np.stack(frames)
+
+
+def _actions(env: Embodiment, steps: int = 8, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.stack([env.random_action(rng) for _ in range(steps)])  # [T, A]
+
+
+def test_registry_builds_each_adapter(adapters: dict[str, Embodiment]) -> None:
+    assert isinstance(adapters["pusht"], PushT)
+    assert isinstance(adapters["mujoco_point"], MujocoPointMass)
+    assert isinstance(adapters["mujoco_reacher"], MujocoReacher)
+    # The two MuJoCo bodies must differ in action space for the cross-embodiment experiments.
+    assert (adapters["mujoco_point"].action_dim, adapters["mujoco_reacher"].action_dim) == (2, 3)
+    assert all(env.name == name for name, env in adapters.items())
+
+
+def test_missing_simulator_names_its_pip_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(sys.modules, "lensemble.sim.pusht")
+    for module in [m for m in sys.modules if m.split(".")[0] == "gym_pusht"]:
+        monkeypatch.setitem(sys.modules, module, None)  # None in sys.modules: the import fails
+    with pytest.raises(ConfigError, match="pip install gym-pusht"):
+        make_embodiment("pusht", SIZE)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_frames_and_proprio_have_the_documented_shapes(adapters: dict[str, Embodiment], name: str) -> None:
+    env = adapters[name]
+    env.reset(3)
+    for frame in (env.render(), env.goal_frame()):
+        assert frame.shape == (SIZE, SIZE, 3) and frame.dtype == np.uint8
+        assert frame.std() > 5.0  # something is drawn, not a blank buffer
+    proprio = env.proprio()
+    assert proprio.shape == (env.proprio_dim,) and proprio.dtype == np.float32
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_same_seed_same_frames_other_seed_other_frames(adapters: dict[str, Embodiment], name: str) -> None:
+    env = adapters[name]
+    actions = _actions(env)
+    first = _rollout(env, 11, actions)
+    np.testing.assert_array_equal(first, _rollout(env, 11, actions))
+    assert not np.array_equal(first[0], _rollout(env, 12, actions)[0])
+    assert not np.array_equal(first[0], first[-1])  # the actions moved something
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_physics_reproduces_the_golden_run(adapters: dict[str, Embodiment], name: str) -> None:
+    env = adapters[name]
+    env.reset(3)
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        env.step(env.expert_action(rng, noise=0.3))
+    proprio, world = GOLDEN[name]
+    np.testing.assert_allclose(env.proprio(), proprio, atol=1e-4)
+    np.testing.assert_allclose(env.block_pose() if isinstance(env, PushT) else env.goal_xy, world, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_goal_frame_leaves_the_episode_untouched(adapters: dict[str, Embodiment], name: str) -> None:
+    env = adapters[name]
+    actions = _actions(env, steps=5)
+    plain = _rollout(env, 5, actions)
+    env.reset(5)
+    goal = env.goal_frame()
+    assert not np.array_equal(goal, plain[0])
+    probed = [env.render()]
+    for action in actions:
+        env.goal_frame()
+        env.step(action)
+        probed.append(env.render())
+    np.testing.assert_array_equal(plain, np.stack(probed))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_actions_are_clipped_to_the_box(adapters: dict[str, Embodiment], name: str) -> None:
+    env = adapters[name]
+    big = 7.0 * np.sign(_actions(env, steps=4, seed=1))  # [T, A], far outside [-1, 1]
+    np.testing.assert_array_equal(_rollout(env, 2, big), _rollout(env, 2, np.clip(big, -1.0, 1.0)))
+    with pytest.raises(ValueError, match=f"shape \\({env.action_dim},\\)"):
+        env.step(np.zeros(env.action_dim + 1))
+
+
+@pytest.mark.parametrize("name", ["mujoco_point", "mujoco_reacher"])
+def test_mujoco_success_and_goal_frame_at_the_goal(adapters: dict[str, Embodiment], name: str) -> None:
+    env = adapters[name]
+    env.reset(7)
+    assert not env.success()  # starts are drawn at least 4 success radii away
+    goal_qpos = env.goal_qpos.copy()
+    env.set_state(goal_qpos, np.zeros(env.model.nv), goal_qpos)
+    assert env.success() and env.distance_to_goal() < 1e-9
+    np.testing.assert_array_equal(env.render(), env.goal_frame())  # the goal image is exact
+    # A tip 1.5 success radii away fails (for the point mass, qpos is the tip position).
+    if name == "mujoco_point":
+        env.set_state(goal_qpos + [1.5 * env.success_radius, 0.0], np.zeros(2), goal_qpos)
+        assert not env.success()
+
+
+def test_mujoco_goals_vary_with_the_seed(adapters: dict[str, Embodiment]) -> None:
+    for name in ("mujoco_point", "mujoco_reacher"):
+        env = adapters[name]
+        goals = []
+        for seed in range(4):
+            env.reset(seed)
+            goals.append(env.goal_xy.copy())
+        assert len({tuple(np.round(g, 6)) for g in goals}) == 4
+
+
+@pytest.mark.parametrize("name", ["mujoco_point", "mujoco_reacher"])
+def test_mujoco_noiseless_expert_reaches_the_goal(adapters: dict[str, Embodiment], name: str) -> None:
+    env = adapters[name]
+    rng = np.random.default_rng(0)
+    for seed in range(4):
+        env.reset(seed)
+        start = env.distance_to_goal()
+        for _ in range(60):  # measured: first success within 9–41 steps over 20 seeds
+            env.step(env.expert_action(rng, noise=0.0))
+        assert env.distance_to_goal() < 0.5 * start
+        assert env.success(), f"{name} seed {seed}: {env.distance_to_goal():.3f} m left"
+
+
+def test_pusht_success_is_the_pose_criterion() -> None:
+    goal = STANDARD_GOAL
+    assert pose_success(goal, goal)
+    assert pose_success(goal + [19.0, 0.0, 0.0], goal)
+    assert not pose_success(goal + [0.0, 21.0, 0.0], goal)
+    assert pose_success(goal + [0.0, 0.0, 0.3], goal)  # 17° < 20°
+    assert not pose_success(goal + [0.0, 0.0, 0.4], goal)  # 23° > 20°
+    assert pose_success(goal + [0.0, 0.0, 2.0 * np.pi - 0.3], goal)  # angles wrap
+    assert abs(wrap_angle(np.array(3.5)) - (3.5 - 2.0 * np.pi)) < 1e-12
+
+
+def _green_pixels(frame: np.ndarray) -> int:
+    """Pixels where green dominates: the goal T (LightGreen), which nothing else in PushT is."""
+    rgb = frame.astype(int)
+    return int(((rgb[..., 1] > rgb[..., 0] + 40) & (rgb[..., 1] > rgb[..., 2] + 40)).sum())
+
+
+def test_pusht_success_and_goal_frame_from_an_exact_state(adapters: dict[str, Embodiment]) -> None:
+    env = adapters["pusht"]
+    assert isinstance(env, PushT)
+    env.reset(4)
+    assert not env.success()
+    agent = np.array([60.0, 60.0])
+    env.set_state(agent, STANDARD_GOAL, STANDARD_GOAL)
+    assert env.success()
+    # The goal image is exactly this frame, and in it the block hides the green goal T completely.
+    np.testing.assert_array_equal(env.render(), env.goal_frame())
+    for goal in (STANDARD_GOAL, np.array([200.0, 300.0, -2.0])):
+        env.set_state(agent, goal, goal)
+        assert _green_pixels(env.goal_frame()) == 0
+        env.set_state(agent, STANDARD_GOAL + [0.0, 0.0, 1.0], goal)
+        assert _green_pixels(env.render()) > 20  # the goal T shows beside a misplaced block
+    env.set_state(agent, STANDARD_GOAL, STANDARD_GOAL)
+    env.set_state(agent, STANDARD_GOAL + [25.0, 0.0, 0.0], STANDARD_GOAL)
+    assert not env.success()
+    env.set_state(agent, STANDARD_GOAL + [0.0, 0.0, np.pi / 6], STANDARD_GOAL)
+    assert not env.success()
+
+
+def test_pusht_goal_is_fixed_unless_randomized() -> None:
+    fixed, moving = PushT(SIZE), PushT(SIZE, random_goal=True)
+    try:
+        goals = []
+        for seed in range(3):
+            fixed.reset(seed)
+            np.testing.assert_array_equal(fixed.goal_pose, STANDARD_GOAL)
+            moving.reset(seed)
+            goals.append(moving.goal_pose.copy())
+            assert not np.array_equal(fixed.goal_frame(), moving.goal_frame())
+        assert len({tuple(g) for g in goals}) == 3
+    finally:
+        fixed.close()
+        moving.close()
+
+
+def test_pusher_pushes_along_the_line_and_walks_round_otherwise() -> None:
+    cog_local = np.array([0.0, 45.0])  # the T's centre of gravity in body coordinates
+    block = np.array([256.0, 300.0, 0.0])  # centre of gravity at (256, 345)
+    goal = np.array([256.0, 200.0, 0.0])  # straight up (−y), same angle: no lever
+    behind = pusher_target(np.array([256.0, 440.0]), block, goal, cog_local)
+    np.testing.assert_allclose(behind, [256.0, 380.0])  # 60 px further along the push line
+    in_front = pusher_target(np.array([256.0, 200.0]), block, goal, cog_local)
+    radius = np.linalg.norm(in_front - [256.0, 345.0])
+    assert abs(radius - 115.0) < 1e-9  # orbits at block reach + 20 px instead of cutting through
+
+
+def test_pusht_noiseless_expert_brings_the_block_closer(adapters: dict[str, Embodiment]) -> None:
+    env = adapters["pusht"]
+    assert isinstance(env, PushT)
+    rng = np.random.default_rng(0)
+    before, after = [], []
+    for seed in range(4):
+        env.reset(seed)
+        before.append(np.linalg.norm(env.block_pose()[:2] - env.goal_pose[:2]))
+        for _ in range(120):
+            env.step(env.expert_action(rng, noise=0.0))
+        after.append(np.linalg.norm(env.block_pose()[:2] - env.goal_pose[:2]))
+    assert np.mean(after) < 0.5 * np.mean(before), (before, after)
