@@ -4,6 +4,7 @@ from __future__ import annotations
 from prefect import flow
 
 from lensemble.model.world_model import WorldModel
+from tasks.preflight import preflight
 from tasks.runner import stage_run
 from tasks.train import train_centralized
 
@@ -11,6 +12,8 @@ from tasks.train import train_centralized
 @flow(name="centralized")
 def centralized_flow(root: str = ".") -> None:
     with stage_run("centralized", root) as ctx:
+        pre = preflight(ctx.params, ctx.layout, "centralized", ctx.hw_class)
+        ctx.extra_manifest.update(preflight=pre["estimate"], compute=pre["compute"], usd_per_hour=pre["usd_per_hour"])
         result = train_centralized(ctx.params, ctx.layout, ctx.out.path("models/centralized.pt"))
         for i, (p, s) in enumerate(zip(result["losses"]["pred"], result["losses"]["sigreg"])):
             ctx.metric("loss/pred", p, step=i)

@@ -26,6 +26,7 @@ from lensemble.model.world_model import federated_state, load_federated
 from lensemble.training import encode_frames
 from lensemble.workflow import build_model, probe_frames, site_names
 from tasks.federation import aggregate_round, gauge_round
+from tasks.preflight import preflight
 from tasks.runner import stage_run
 from tasks.train import site_announce, site_encode, site_train
 
@@ -82,6 +83,8 @@ def federated_round(run_id: str, round_idx: int, survivors: list[str], spec, tra
 def federate_flow(root: str = ".") -> None:
     with stage_run("federate", root) as ctx:
         p = ctx.params
+        pre = preflight(p, ctx.layout, "federate", ctx.hw_class)
+        ctx.extra_manifest.update(preflight=pre["estimate"], compute=pre["compute"], usd_per_hour=pre["usd_per_hour"])
         sites = site_names(p)
         model = build_model(p, "federated")  # the aggregator's copy: only encoder + predictor matter
         global_state = federated_state(model)
@@ -150,5 +153,5 @@ def federate_flow(root: str = ".") -> None:
         ctx.measured["fed/bytes_per_param"] = summary["bytes_per_param"]
         ctx.measured["fed/quant_ratio"] = summary["quant_ratio"]
         ctx.measured["fed/round_seconds"] = summary["round_seconds_mean"]
-        ctx.measured["gauge/effective_dim"] = rounds[-1]["gauge"]["effective_dim"]["rankme"] / model.latent_dim
+        ctx.measured["gauge/effective_dim_fraction"] = rounds[-1]["gauge"]["effective_dim"]["rankme"] / model.latent_dim
         ctx.out.write_json("reports/federate.json", summary)

@@ -1,15 +1,16 @@
 """Stage `residency`: audit what may leave each site before any training starts.
 
 Checks every site's data manifest through the residency guard (counts and hashes only), and scans
-the exchange area, `reports/` and the MLflow store for any site's private rows; a finding fails
-the stage with ResidencyViolation.
+the exchange area, `reports/` and the MLflow store for any site's private rows (whole frames,
+action and proprioception value pairs; see `lensemble.data.audit`); a finding fails the stage with
+ResidencyViolation naming the files.
 """
 from __future__ import annotations
 
 from prefect import flow, task
 from prefect.cache_policies import NONE
 
-from lensemble.data.audit import fingerprints, scan_paths
+from lensemble.data.audit import load_index, scan_paths
 from lensemble.data.residency import ResidencyGuard
 from lensemble.errors import ResidencyViolation
 from lensemble.workflow import load_site, site_names
@@ -19,14 +20,14 @@ from tasks.runner import stage_run
 @task(name="audit-site", cache_policy=NONE)
 def audit_site(params, layout, site: str, manifest: dict) -> dict:
     """Guard the site's manifest and scan the shared areas for its private rows."""
-    guard = ResidencyGuard(site, None, layout.site_audit(site))
+    index = load_index(layout.site_episodes(site), load_site(layout, params, site))
+    guard = ResidencyGuard(site, None, layout.site_audit(site), private=index)
     guard.release("manifest", manifest)
-    prints = fingerprints(load_site(layout, params, site))
     targets = [layout.exchange, layout.reports, layout.root / "mlflow.db", layout.root / "mlartifacts"]
-    leaks = scan_paths(targets, prints)
+    leaks = scan_paths(targets, index)
     if leaks:
         raise ResidencyViolation(f"site {site!r}: private rows found in {sorted(leaks)[:3]}")
-    return {"site": site, "fingerprints": int(len(prints)), "leaks": 0}
+    return {"site": site, "fingerprints": len(index), "index_sha256": index.digest(), "leaks": 0}
 
 
 @flow(name="residency")

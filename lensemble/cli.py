@@ -3,6 +3,8 @@
     lensemble run STAGE        run one stage's Prefect flow (what `dvc repro` calls)
     lensemble pipeline         run every stage in order as subflows of one Prefect flow
     lensemble check-params     validate params.yaml and print its hash
+    lensemble server url|stop  the project's Prefect server (started by the first stage that runs)
+    lensemble budgets compare  measured budget values by hardware class and stage, from MLflow
 
 Errors print one line, `lensemble: error: ...`, and exit with the error's code.
 """
@@ -44,10 +46,16 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("stage", choices=STAGES)
     sub.add_parser("pipeline", help="run all stages as one Prefect flow")
     sub.add_parser("check-params", help="validate params.yaml")
+    budgets = sub.add_parser("budgets", help="budget reports across runs")
+    budgets.add_argument("action", choices=("compare",))
+    budgets.add_argument("--plot", default="reports/plots/budgets_compare.png", help="where to write the plot")
+    server = sub.add_parser("server", help="the project-local Prefect server")
+    server.add_argument("action", choices=("url", "stop"))
     args = parser.parse_args(argv)
     root = Path(args.root)
     offline_environment(root)
     sys.path.insert(0, str(root.resolve()))
+    from flows.server import ensure_server, stop_server
     try:
         if args.cmd == "check-params":
             from lensemble.config import load_params
@@ -57,8 +65,25 @@ def main(argv: list[str] | None = None) -> int:
             from lensemble.config import load_params
 
             load_params(root / "params.yaml")  # fail fast, before any server or run starts
+            ensure_server(Path(os.environ["PREFECT_HOME"]))
             stage_flow(args.stage)(root=str(root))
+        elif args.cmd == "budgets":
+            from tasks.compare import collect, format_table, plot
+
+            rows = collect(root)
+            print(format_table(rows))
+            plot(rows, root / args.plot)
+        elif args.cmd == "server":
+            home = Path(os.environ["PREFECT_HOME"])
+            if args.action == "stop":
+                print("stopped" if stop_server(home) else "no server running")
+            else:
+                print(ensure_server(home) or "ephemeral")
         else:
+            from lensemble.config import load_params
+
+            load_params(root / "params.yaml")
+            ensure_server(Path(os.environ["PREFECT_HOME"]))
             from flows.pipeline import pipeline_flow
 
             pipeline_flow(root=str(root))

@@ -70,12 +70,14 @@ class ModelParams(Section):
     predictor_depth: int = Field(2, ge=1, le=48, description="Predictor transformer blocks.")
     predictor_heads: int = Field(4, ge=1, description="Predictor attention heads.")
     action_dim: int = Field(32, ge=1, description="d_a, the shared action-embedding width.")
+    warm_start: str | None = Field(None, description="Local checkpoint (path) whose encoder weights initialise the encoder; None: random init.")
 
 
 class ObjectiveParams(Section):
     sigreg_weight: float = Field(0.05, ge=0.0, description="λ_sig.")
     anchor_weight: float = Field(0.1, ge=0.0, description="λ_anc (federated training only).")
     sketch_dim: int = Field(64, ge=1, le=4096, description="SIGReg random directions.")
+    sigreg_on: Literal["tokens", "frames"] = Field("tokens", description="SIGReg on token embeddings or on per-frame pooled embeddings.")
     sigreg_tokens: int = Field(512, ge=16, description="Token embeddings per step that SIGReg tests (a seeded random subset).")
     num_knots: int = Field(17, ge=3, le=1025, description="Epps-Pulley quadrature points.")
     t_max: float = Field(3.0, gt=0.0, le=20.0, description="Upper end of the quadrature interval.")
@@ -128,6 +130,13 @@ class EvaluateParams(Section):
     cem: CemParams = Field(default_factory=CemParams)
 
 
+class PreflightParams(Section):
+    max_cost_usd: float | None = Field(5.0, ge=0.0, description="Refuse a training stage estimated to cost more (USD).")
+    max_accelerator_hours: float | None = Field(2.0, ge=0.0, description="Refuse a stage estimated to take longer (hours).")
+    max_memory_gib: float | None = Field(16.0, ge=0.0, description="Refuse a step estimated to need more memory (GiB).")
+    max_comm_bytes: float | None = Field(1e10, ge=0.0, description="Refuse a federation estimated to move more bytes.")
+
+
 class Params(Section):
     run: RunParams = Field(default_factory=RunParams)
     data: DataParams
@@ -138,6 +147,7 @@ class Params(Section):
     federate: FederateParams = Field(default_factory=FederateParams)
     gauge: GaugeParams = Field(default_factory=GaugeParams)
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
+    preflight: PreflightParams = Field(default_factory=PreflightParams)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Params":

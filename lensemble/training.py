@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 
 from lensemble.config import ObjectiveParams, TrainParams
 from lensemble.data.windows import WindowSampler
@@ -83,12 +84,14 @@ def train_steps(
             terms = world_model_loss(
                 model.encoder, model.predictor, model.action_heads[embodiment], frames, actions, directions, sig_index,
                 sigreg_weight=objective.sigreg_weight, anchor_weight=objective.anchor_weight,
-                num_knots=objective.num_knots, t_max=objective.t_max, rollout_steps=objective.rollout_steps,
+                num_knots=objective.num_knots, t_max=objective.t_max, rollout_steps=objective.rollout_steps, sigreg_on=objective.sigreg_on,
                 probe_PCHW=probe, global_probe_PND=global_probe,
             )
         optimizer.zero_grad(set_to_none=True)
-        terms.total.backward()
-        optimizer.step()
+        with record_function("backward"):
+            terms.total.backward()
+        with record_function("optimizer_step"):
+            optimizer.step()
         log.pred.append(float(terms.pred))
         log.sigreg.append(float(terms.sigreg))
         log.anchor.append(float(terms.anchor))

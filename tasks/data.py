@@ -7,18 +7,25 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from lensemble.config import Params
+from lensemble.data.audit import fingerprints, index_path
 from lensemble.data.episodes import data_manifest, generate_episodes, write_episodes
 from lensemble.sim.registry import make_embodiment
 
 
 @task(name="generate-site", cache_policy=NONE)
-def generate_site(params: Params, site: str, embodiment: str, episodes: int, out_path: Path) -> dict:
-    """Generate one site's episodes into `out_path`; returns its data manifest (counts and hashes)."""
+def generate_site(params: Params, site: str, embodiment: str, episodes: int, out_path: Path, index_out: Path | None = None) -> dict:
+    """Generate one site's episodes into `out_path` and its private-content index into `index_out`.
+
+    Returns the site's data manifest (counts and hashes). The index (default: `private_index.npz`
+    beside the store) is what the residency guard and the leak scan recognise the site's rows by;
+    it stays at the site.
+    """
     env = make_embodiment(embodiment, params.data.image_size)
     d = params.data
     eps = generate_episodes(env, params.run.seed, f"site/{site}", episodes, d.episode_length, d.expert_noise, d.random_fraction, d.segment_length)
     env.close()
     write_episodes(eps, out_path)
+    fingerprints(eps).save(index_out or index_path(out_path))
     return data_manifest(eps, out_path)
 
 

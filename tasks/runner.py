@@ -87,6 +87,25 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
+def ledger_entry(ctx: StageContext, run_id: str, started: float) -> dict:
+    """Estimate beside actual spend for one training stage run."""
+    est = ctx.extra_manifest["preflight"]
+    seconds = time.time() - started
+    price = ctx.extra_manifest.get("usd_per_hour", 0.0)
+    return {"run_id": run_id, "stage": ctx.stage, "hardware_class": ctx.hw_class, "params_hash": ctx.params.hash(),
+            "finished": time.time(), "estimate": est, "actual": {"wall_seconds": seconds, "hours": seconds / 3600,
+            "cost_usd": seconds / 3600 * price, **{k: v for k, v in ctx.measured.items()}}}
+
+
+def append_ledger(path: Path, entry: dict) -> None:
+    """Append one entry to the JSON-list ledger (rewritten atomically); the ledger spans runs, DVC does not own it."""
+    entries = json.loads(path.read_text()) if path.is_file() else []
+    entries.append(entry)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
 @contextmanager
 def stage_run(stage: str, root: Path | str = ".", params_path: str = "params.yaml") -> Iterator[StageContext]:
     """Run one stage's body with tracking; see the module docstring."""
@@ -130,6 +149,8 @@ def stage_run(stage: str, root: Path | str = ".", params_path: str = "params.yam
         tracker.log_artifact(run_id, manifest_path)
         ctx.sink.flush()
         ctx.out.commit()
+        if "preflight" in ctx.extra_manifest:
+            append_ledger(layout.reports / "ledger.json", ledger_entry(ctx, run_id, started))
         tracker.finish(run_id, ok=True)
     except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)

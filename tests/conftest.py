@@ -39,10 +39,11 @@ def micro_params() -> dict:
 
 
 def make_project(root: Path, params: dict) -> Path:
-    """A project root with params.yaml and budgets.yaml; MLflow goes to its own SQLite file."""
+    """A project root with params.yaml, budgets.yaml and pricing.yaml."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     shutil.copy(REPO / "budgets.yaml", root / "budgets.yaml")
+    shutil.copy(REPO / "pricing.yaml", root / "pricing.yaml")
     return root
 
 

@@ -109,7 +109,7 @@ def test_cli_params_errors_are_one_line_and_write_nothing(tmp_path, edit, messag
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("lensemble: error: ") and message in lines[0], proc.stderr
-    assert sorted(p.name for p in root.iterdir()) == ["budgets.yaml", "params.yaml"]
+    assert sorted(p.name for p in root.iterdir()) == ["budgets.yaml", "params.yaml", "pricing.yaml"]
 
 
 def test_cli_unknown_stage_is_rejected(tmp_path):
@@ -117,3 +117,18 @@ def test_cli_unknown_stage_is_rejected(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "lensemble.cli", "--root", str(root), "run", "nonsense"], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "invalid choice" in proc.stderr
     assert yaml.safe_load((root / "params.yaml").read_text())["run"]["seed"] == 0
+
+
+def test_a_run_over_its_ceiling_is_refused_before_training(prefect_server, project):
+    from flows.federate import federate_flow
+    from flows.prepare import prepare_flow
+    from lensemble.errors import BudgetExceeded
+
+    prepare_flow(root=str(project))
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["preflight"]["max_comm_bytes"] = 1000.0
+    (project / "params.yaml").write_text(yaml.safe_dump(params))
+    with pytest.raises(BudgetExceeded, match="exceeds preflight.max_comm_bytes"):
+        federate_flow(root=str(project))
+    assert not (project / "models" / "sites").exists() and not (project / "reports" / "federate.json").exists()
+    assert not (project / "data" / "sites" / "site_a" / "audit.jsonl").exists()  # no site task ever ran

@@ -1,57 +1,351 @@
-"""Leak scan: look for a site's private content in files that left (or could leave) the site.
+"""Private-content index of one site, and the leak scan built on it.
 
-Fingerprints are 8-byte windows that identify private rows: the raw float32 bytes of every action
-row, and of every frame the 8 bytes starting at its first non-background pixel (the anti-aliased
-edge of the agent, which varies with sub-pixel position). A file is scanned at every byte offset by
-viewing it as little-endian uint64 at the 8 alignments and testing set membership with numpy.
+A `PrivateIndex` recognises copies of a site's private rows inside arbitrary bytes:
+
+- value streams (actions, proprioception and, optionally, site-local tensors such as the action
+  head): every 8-byte window at float32 stride over each episode's contiguous stream, i.e. every
+  pair of consecutive values. A pair identifies a row when one of its values is distinctive:
+  unique in the site's stream and off coarse dyadic grids. Repeated values (saturated actions,
+  clamped positions, zero velocities) and grid values (start states on a pixel grid) recur in
+  anyone's data of the same world, so pairs made only of them are left out.
+- frames: whole frames, in the stored layout ([H, W, 3] uint8) and in the model's
+  (`frames_to_tensor`: float32 in [-1, 1], as [3, H, W] and in its channels-last storage).
+  Short pixel windows are useless as fingerprints (an object drawn at the same pixel position
+  renders to the same bytes in every episode, public ones included), so a frame is keyed by an
+  8-byte *anchor* word among its moving bytes (where it differs from the site's median frame; the
+  rarest such word across the site's frames), checked by a second rare word at its own offset and
+  confirmed by a 64-bit BLAKE2b of the whole frame.
+
+Scanning views a blob as little-endian uint64 at its 8 byte alignments (every byte offset is
+tested), pre-filters every word with one lookup in a 4 MiB bitmap and resolves the rare candidates
+with binary search; its cost is a few passes over the blob. `scan_file` also looks inside what a
+file may encode: images (decoded pixels), zip and gzip members, base64 and hex runs, and numbers
+written as text (consecutive numbers as float32 pairs; runs of integers 0..255 as bytes).
+
+The index is derived from private rows: it stays at its site, beside the episodes.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+import base64
+import binascii
+import gzip
+import hashlib
+import io
+import re
+import zipfile
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from lensemble.data.episodes import Episodes
+from lensemble.data.windows import frames_to_tensor
+
+_BITS = 22  # bitmap slots 2^22 (4 MiB): ~25k keys leave > 99% of words rejected by one lookup
+_MUL = np.uint64(0x9E3779B97F4A7C15)
+_SHIFT = np.uint64(64 - _BITS)
+_ANCHOR_SAMPLES = 64  # candidate anchor words per frame, spread over its moving bytes
+_CHUNK = 256  # frames per block when building frame keys (bounds the float32 copy to ~50 MB at 64x64)
+_FRAME_COLS = ("word", "at", "check_at", "check_word", "length", "digest")
+INDEX_FILE = "private_index.npz"  # beside a site's episodes.parquet; never leaves the site
 
 
-def fingerprints(eps: Episodes) -> np.ndarray:
-    """Sorted unique uint64 fingerprints of a site's private rows."""
-    keys = []
-    actions = np.ascontiguousarray(eps.actions_ELK.reshape(-1, eps.actions_ELK.shape[-1]))
-    if actions.shape[1] * 4 >= 8:
-        keys.append(actions.view(np.uint8)[:, :8].copy().view("<u8").ravel())
-    frames = eps.frames_ELHWC.reshape(-1, eps.frames_ELHWC[0, 0].size)  # [E*L, H*W*3]
-    background = frames[:, :1]
-    first = np.argmax(frames != background, axis=1)
-    first = np.minimum(first, frames.shape[1] - 8)
-    windows = np.stack([frames[np.arange(len(frames)), first + i] for i in range(8)], axis=1)
-    has_edge = (frames != background).any(axis=1)
-    keys.append(np.ascontiguousarray(windows[has_edge]).view("<u8").ravel())
-    return np.unique(np.concatenate(keys))
+def _slot(words: np.ndarray) -> np.ndarray:
+    return ((words * _MUL) >> _SHIFT).astype(np.intp)
 
 
-def scan_bytes(blob: bytes, prints: np.ndarray) -> int:
-    """Number of byte offsets of `blob` where a fingerprint starts."""
-    arr = np.frombuffer(blob, dtype=np.uint8)
-    hits = 0
-    for shift in range(8):
-        n = (len(arr) - shift) // 8
-        if n <= 0:
+def _digest(buf) -> np.uint64:
+    return np.frombuffer(hashlib.blake2b(buf, digest_size=8).digest(), "<u8")[0]
+
+
+def _distinctive(v: np.ndarray) -> np.ndarray:
+    """Values that identify a row: unique within `v` and with >= 11 significant bits.
+
+    Values that repeat (clamped positions, zero velocities, saturated actions) or lie on a coarse
+    dyadic grid (start states on a pixel grid) recur in anyone's data of the same world.
+    """
+    _, inverse, counts = np.unique(v, return_inverse=True, return_counts=True)
+    significand = (v.view(np.uint32) & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
+    return (counts[inverse.reshape(v.shape)] == 1) & ((significand & np.uint32(0x1FFF)) != 0)
+
+
+def value_keys(values: np.ndarray) -> np.ndarray:
+    """Keys of every pair of consecutive float32 values along the last axis of `values` [..., N].
+
+    A pair is kept when at least one of its values is distinctive (see `_distinctive`).
+    """
+    v = np.ascontiguousarray(values, dtype=np.float32)
+    v = v.reshape(-1, v.shape[-1]) if v.ndim > 1 else v[None]
+    if v.shape[1] < 2:
+        return np.zeros(0, np.uint64)
+    rare = _distinctive(v)
+    keep = (rare[:, :-1] | rare[:, 1:]).ravel()
+    pairs = np.lib.stride_tricks.sliding_window_view(v, 2, axis=1).reshape(-1, 2)  # [R * (N - 1), 2]
+    return np.ascontiguousarray(pairs[keep]).view("<u8").ravel()
+
+
+def _frame_forms(frames_FHWC: np.ndarray) -> list[np.ndarray]:
+    """The byte layouts a frame takes in Lensemble: stored uint8 [H, W, 3]; `frames_to_tensor`'s
+    float32 as [3, H, W] (contiguous, `.numpy()`) and as its channels-last storage (`torch.save`)."""
+    t = frames_to_tensor(frames_FHWC)
+    return [frames_FHWC.view(np.uint8), t.contiguous().numpy().view(np.uint8), t.movedim(-3, -1).numpy().view(np.uint8)]
+
+
+def frame_keys(frames_FHWC: np.ndarray) -> np.ndarray:
+    """Anchored whole-frame keys [M, 6] uint64 (see `_FRAME_COLS`) for every layout of `_frame_forms`.
+
+    Anchor and check are the two rarest of `_ANCHOR_SAMPLES` words sampled across the frame's moving
+    bytes (rarest across the site's frames): an object drawn the same way in many frames would make
+    a first-moving-byte anchor match hundreds of frames, each then needing a whole-frame digest.
+    """
+    F = len(frames_FHWC)
+    if F == 0:
+        return np.zeros((0, len(_FRAME_COLS)), np.uint64)
+    sample = frames_FHWC[np.linspace(0, F - 1, min(F, 64)).astype(int)]
+    ref_HWC = np.median(sample, axis=0).astype(np.uint8)  # the static scene: floor, walls, fixed goal
+    refs = [form.reshape(-1) for form in _frame_forms(ref_HWC[None])]
+    found = []  # per (form, frame): offsets [S], words [S], length, digest
+    for c in range(0, F, _CHUNK):
+        block = frames_FHWC[c : c + _CHUNK]
+        for form, ref in zip(_frame_forms(block), refs):
+            form_FB = form.reshape(len(block), -1)
+            B = form_FB.shape[1]
+            for f in form_FB:
+                moving = np.flatnonzero(f != ref)
+                if not moving.size:
+                    continue  # the static scene itself: nothing private
+                offs = np.unique(np.minimum(moving[np.linspace(0, moving.size - 1, min(moving.size, _ANCHOR_SAMPLES)).astype(int)], B - 8))
+                words = f[offs[:, None] + np.arange(8)].copy().view("<u8").ravel()
+                found.append((offs, words, B, _digest(f)))
+    if not found:
+        return np.zeros((0, len(_FRAME_COLS)), np.uint64)
+    uniq, counts = np.unique(np.concatenate([w for _, w, _, _ in found]), return_counts=True)
+    rows = []
+    for offs, words, B, digest in found:
+        order = np.lexsort((offs, counts[np.searchsorted(uniq, words)]))  # rarest first, then earliest
+        a = order[0]
+        far = order[np.abs(offs[order].astype(np.int64) - int(offs[a])) >= 8]
+        b = far[0] if far.size else a
+        rows.append((words[a], offs[a], offs[b], words[b], B, digest))
+    table = np.unique(np.array(rows, dtype=np.uint64), axis=0)
+    return table[np.argsort(table[:, 0], kind="stable")]
+
+
+class PrivateIndex:
+    """Keys of a site's private rows; `scan(blob)` counts them in any bytes. See the module docstring."""
+
+    def __init__(self, values: np.ndarray, frames: np.ndarray) -> None:
+        self.values = np.unique(np.asarray(values, np.uint64))  # sorted
+        frames = np.asarray(frames, np.uint64).reshape(-1, len(_FRAME_COLS))
+        self.frames = frames[np.argsort(frames[:, 0], kind="stable")]
+        self._bitmap = np.zeros(1 << _BITS, dtype=bool)
+        self._bitmap[_slot(self.values)] = True
+        self._bitmap[_slot(self.frames[:, 0])] = True
+        self._digest: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.values) + len(self.frames)
+
+    def digest(self) -> str:
+        """sha256 of the keys: identifies the index in audit records without revealing it."""
+        if self._digest is None:
+            self._digest = hashlib.sha256(self.values.tobytes() + self.frames.tobytes()).hexdigest()
+        return self._digest
+
+    def with_tensors(self, tensors: Mapping[str, torch.Tensor]) -> PrivateIndex:
+        """This index plus the value pairs of site-local tensors (e.g. `local_state(model)`)."""
+        extra = [value_keys(t.detach().to(torch.float32).cpu().reshape(-1).numpy()) for t in tensors.values()]
+        return PrivateIndex(np.concatenate([self.values, *extra]), self.frames)
+
+    def save(self, path: Path) -> None:
+        """Write atomically as .npz (the file is private: keep it at the site)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        with tmp.open("wb") as f:
+            np.savez(f, values=self.values, frames=self.frames)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> PrivateIndex:
+        with np.load(Path(path)) as z:
+            return cls(z["values"], z["frames"])
+
+    def scan(self, blob) -> dict[str, int]:
+        """Hits per class ("values", "frames") in `blob` (bytes-like), at every byte offset."""
+        arr = np.frombuffer(blob, dtype=np.uint8)
+        hits = {"values": 0, "frames": 0}
+        starts: set[tuple[int, int]] = set()
+        for shift in range(8):
+            n = (len(arr) - shift) // 8
+            if n <= 0:
+                continue
+            words = arr[shift : shift + 8 * n].view("<u8")
+            cand = np.flatnonzero(self._bitmap[_slot(words)])
+            if not cand.size:
+                continue
+            cw = words[cand]
+            if len(self.values):
+                pos = np.minimum(np.searchsorted(self.values, cw), len(self.values) - 1)
+                hits["values"] += int((self.values[pos] == cw).sum())
+            if len(self.frames):
+                starts |= self._frame_hits(arr, shift + 8 * cand, cw)
+        hits["frames"] = len(starts)
+        return hits
+
+    def _frame_hits(self, arr: np.ndarray, offsets: np.ndarray, words: np.ndarray) -> set[tuple[int, int]]:
+        """(start, row) of whole private frames whose anchor word sits at one of `offsets`."""
+        keys = self.frames[:, 0]
+        lo, hi = np.searchsorted(keys, words, "left"), np.searchsorted(keys, words, "right")
+        counts = hi - lo
+        if not counts.any():
+            return set()
+        off = np.repeat(offsets, counts).astype(np.int64)
+        row = np.repeat(lo - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())  # lo..hi-1 per offset
+        t = self.frames[row].astype(np.int64)  # word, at, check_at, check_word, length, digest (last two as int64 views)
+        start = off - t[:, 1]
+        ok = (start >= 0) & (start + t[:, 4] <= len(arr))
+        start, row, t = start[ok], row[ok], t[ok]
+        check_pos = start + t[:, 2]
+        check = arr[check_pos[:, None] + np.arange(8)].copy().view("<u8").ravel() if len(check_pos) else np.zeros(0, np.uint64)
+        ok = check == self.frames[row, 3]
+        found = set()
+        for s, r in zip(start[ok], row[ok]):
+            if _digest(arr[s : s + int(self.frames[r, 4])]) == self.frames[r, 5]:
+                found.add((int(s), int(r)))
+        return found
+
+    def scan_floats(self, values: Iterable[float]) -> int:
+        """Hits among consecutive numbers taken as float32 (e.g. a list in a metrics record)."""
+        v = np.asarray(list(values), dtype=np.float64)
+        if v.size < 2:
+            return 0
+        with np.errstate(over="ignore", invalid="ignore"):
+            pairs = np.ascontiguousarray(np.lib.stride_tricks.sliding_window_view(v.astype(np.float32), 2))
+        words = pairs.view("<u8").ravel()
+        pos = np.minimum(np.searchsorted(self.values, words), max(len(self.values) - 1, 0))
+        return int((self.values[pos] == words).sum()) if len(self.values) else 0
+
+
+def index_path(episodes_path: Path) -> Path:
+    """Where the private index of the store `episodes_path` lives (same folder)."""
+    return Path(episodes_path).with_name(INDEX_FILE)
+
+
+def load_index(episodes_path: Path, eps: Episodes | None = None) -> PrivateIndex:
+    """The stored index of a site's store, or (older stores) one built from `eps`."""
+    path = index_path(episodes_path)
+    if path.is_file():
+        return PrivateIndex.load(path)
+    if eps is None:
+        raise FileNotFoundError(f"no private index at {path} and no episodes to build one from")
+    return fingerprints(eps)
+
+
+def fingerprints(eps: Episodes, exclude: Episodes | None = None) -> PrivateIndex:
+    """The private-content index of a site's episodes (frames, actions, proprioception).
+
+    `exclude` (e.g. the public probe) removes keys that also occur there: they are not private.
+    """
+    values = np.concatenate([value_keys(eps.actions_ELK.reshape(eps.num_episodes, -1)), value_keys(eps.proprio_ELP.reshape(eps.num_episodes, -1))])
+    frames = frame_keys(eps.frames_ELHWC.reshape(-1, *eps.frames_ELHWC.shape[2:]))
+    if exclude is not None:
+        public = fingerprints(exclude)
+        values = np.setdiff1d(values, public.values)
+        frames = frames[~np.isin(frames[:, 5], public.frames[:, 5])]
+    return PrivateIndex(values, frames)
+
+
+# ---- files: raw bytes plus what they may encode ----
+
+_B64 = re.compile(rb"[A-Za-z0-9+/]{11,}={0,2}")  # 11 chars: one 8-byte key
+_HEX = re.compile(rb"(?:[0-9a-fA-F]{2}){8,}")
+_NUM = re.compile(rb"-?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
+_IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp", ".tif", ".tiff"}
+MAX_DECODED = 256 << 20  # bytes: never inflate more than this from one file
+
+
+def _decoded(data: bytes, suffix: str) -> Iterable[bytes]:
+    """What a file's bytes may carry besides themselves."""
+    if suffix in _IMAGE_SUFFIXES:
+        from PIL import Image
+
+        try:
+            with Image.open(io.BytesIO(data)) as im:
+                yield im.convert("RGB").tobytes()
+        except (OSError, ValueError):
+            pass
+    if data[:4] == b"PK\x03\x04":
+        try:
+            with zipfile.ZipFile(io.BytesIO(data)) as z:
+                for info in z.infolist():
+                    if info.file_size <= MAX_DECODED:
+                        yield z.read(info)
+        except (zipfile.BadZipFile, OSError, ValueError):
+            pass
+    if data[:2] == b"\x1f\x8b":
+        try:
+            yield gzip.decompress(data)[:MAX_DECODED]
+        except (OSError, EOFError):
+            pass
+    for m in _B64.finditer(data):
+        run = m.group()
+        try:
+            yield base64.b64decode(run + b"=" * (-len(run) % 4))
+        except (binascii.Error, ValueError):
+            pass
+    for m in _HEX.finditer(data):
+        yield bytes.fromhex(m.group().decode())
+
+
+def _text_numbers(data: bytes) -> tuple[list[float], list[bytes]]:
+    """Numbers written as text, in order, and runs (>= 8) of integers 0..255 as bytes."""
+    nums, runs, run = [], [], []
+    for m in _NUM.finditer(data):
+        tok = m.group()
+        try:
+            x = float(tok)
+        except ValueError:
             continue
-        words = arr[shift : shift + 8 * n].view("<u8")
-        hits += int(np.isin(words, prints, assume_unique=False).sum())
+        nums.append(x)
+        if tok.isdigit() and int(tok) <= 255:
+            run.append(int(tok))
+        else:
+            if len(run) >= 8:
+                runs.append(bytes(run))
+            run = []
+    if len(run) >= 8:
+        runs.append(bytes(run))
+    return nums, runs
+
+
+def scan_file(path: Path, index: PrivateIndex) -> dict[str, int]:
+    """Hits per class in a file, its decoded contents and its text-encoded numbers."""
+    data = Path(path).read_bytes()
+    hits = index.scan(data)
+    extra = list(_decoded(data, Path(path).suffix.lower()))
+    nums, runs = _text_numbers(data)
+    for blob in [*extra, *runs]:
+        for k, v in index.scan(blob).items():
+            hits[k] += v
+    hits["values"] += index.scan_floats(nums)
     return hits
 
 
-def scan_paths(paths: Iterable[Path], prints: np.ndarray) -> dict[str, int]:
-    """Files (recursively) in which any fingerprint occurs, with the hit count."""
+def scan_paths(paths: Iterable[Path], index: PrivateIndex) -> dict[str, dict[str, int]]:
+    """Files (recursively under each path) in which private content occurs, with hits per class."""
     found = {}
     for root in paths:
         root = Path(root)
         files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else []
         for f in files:
-            hits = scan_bytes(f.read_bytes(), prints)
-            if hits:
+            hits = scan_file(f, index)
+            if any(hits.values()):
                 found[str(f)] = hits
     return found
+
+
+def scan_bytes(blob: bytes, index: PrivateIndex) -> int:
+    """Total hits of `index` in `blob` (raw bytes only)."""
+    return sum(index.scan(blob).values())

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from lensemble.errors import DataError
@@ -126,6 +127,18 @@ def write_episodes(eps: Episodes, path: Path) -> None:
     tmp.replace(path)
 
 
+def _numeric_lists(table: pa.Table, name: str, path: Path) -> np.ndarray:
+    """A list<float32> column as [rows, K] float32; DataError if ragged, null or non-finite."""
+    col = table.column(name).combine_chunks()
+    lengths = pc.list_value_length(col).to_numpy(zero_copy_only=False)
+    if col.null_count or len(lengths) == 0 or lengths.min() != lengths.max() or lengths[0] < 1:
+        raise DataError(f"episode store {path}: column {name!r} has null or ragged rows")
+    values = col.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
+    if not np.isfinite(values).all():
+        raise DataError(f"episode store {path}: column {name!r} holds NaN or Inf")
+    return values.reshape(len(lengths), int(lengths[0]))
+
+
 def read_episodes(path: Path, image_size: int) -> Episodes:
     """Read a store written by `write_episodes`; DataError naming the file on any defect."""
     path = Path(path)
@@ -136,24 +149,28 @@ def read_episodes(path: Path, image_size: int) -> Episodes:
     except (pa.ArrowException, OSError) as exc:
         raise DataError(f"episode store {path} is corrupt or truncated: {exc}") from None
     if not table.schema.equals(SCHEMA):
-        raise DataError(f"episode store {path} has schema {table.schema.names}, expected {SCHEMA.names}")
+        found = ", ".join(f"{f.name}: {f.type}" for f in table.schema)
+        raise DataError(f"episode store {path} has schema ({found}), expected ({', '.join(f'{f.name}: {f.type}' for f in SCHEMA)})")
     if table.num_rows == 0:
         raise DataError(f"episode store {path} is empty")
+    if any(table.column(n).null_count for n in ("episode_id", "step", "frame", "embodiment")):
+        raise DataError(f"episode store {path} has null values")
     ep = table.column("episode_id").to_numpy()
     step = table.column("step").to_numpy()
     E, L = int(ep.max()) + 1, int(step.max()) + 1
     if table.num_rows != E * L or not (ep == np.repeat(np.arange(E), L)).all() or not (step == np.tile(np.arange(L), E)).all():
         raise DataError(f"episode store {path} has missing or unordered rows ({table.num_rows} rows for {E}x{L})")
-    frame_bytes = table.column("frame").to_pylist()
-    if any(len(b) != image_size * image_size * 3 for b in frame_bytes):
+    frame_col = table.column("frame")
+    frame_bytes = image_size * image_size * 3
+    if not pc.all(pc.equal(pc.binary_length(frame_col), frame_bytes)).as_py():
         raise DataError(f"episode store {path} holds frames that are not {image_size}x{image_size}x3")
-    frames = np.frombuffer(b"".join(frame_bytes), dtype=np.uint8).reshape(E, L, image_size, image_size, 3)
-    actions = np.asarray(table.column("action").to_pylist(), dtype=np.float32).reshape(E, L, -1)
-    proprio = np.asarray(table.column("proprio").to_pylist(), dtype=np.float32).reshape(E, L, -1)
-    names = set(table.column("embodiment").to_pylist())
+    frames = np.frombuffer(b"".join(frame_col.to_pylist()), dtype=np.uint8).reshape(E, L, image_size, image_size, 3)
+    actions = _numeric_lists(table, "action", path).reshape(E, L, -1)
+    proprio = _numeric_lists(table, "proprio", path).reshape(E, L, -1)
+    names = pc.unique(table.column("embodiment")).to_pylist()
     if len(names) != 1:
         raise DataError(f"episode store {path} mixes embodiments {sorted(names)}")
-    return Episodes(names.pop(), frames, actions, proprio)
+    return Episodes(names[0], frames, actions, proprio)
 
 
 def data_manifest(eps: Episodes, path: Path) -> dict:

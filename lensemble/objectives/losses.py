@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from lensemble.model.predictor import ActionHead, Predictor, rollout
 from lensemble.model.vit import ViTEncoder
@@ -53,20 +54,31 @@ def world_model_loss(
     num_knots: int,
     t_max: float,
     rollout_steps: int,
+    sigreg_on: str = "tokens",
     probe_PCHW: torch.Tensor | None = None,
     global_probe_PND: torch.Tensor | None = None,
 ) -> LossTerms:
-    """All terms of L for one batch; the anchor is 0 when no global probe embedding is given."""
-    z = encoder(frames_BTCHW)  # [B, T, N, D]
-    act = head(actions_BTK)  # [B, T, A]
-    pred = prediction_loss(predictor, z, act, rollout_steps)
-    tokens = z.flatten(0, 2)  # [B*T*N, D]
-    if sigreg_index is not None:
-        tokens = tokens[sigreg_index]
-    reg = sigreg(tokens, directions_DM, num_knots, t_max)
-    if probe_PCHW is not None and global_probe_PND is not None and anchor_weight > 0:
-        anc = anchor_loss(encoder, probe_PCHW, global_probe_PND)
-    else:
-        anc = torch.zeros((), dtype=pred.dtype)
+    """All terms of L for one batch; the anchor is 0 when no global probe embedding is given.
+
+    The profiler spans (encoder_forward, predictor_step, sigreg_anchor) are the profiling plan's
+    (spec 08 §6); `record_function` only labels, it changes no number.
+    """
+    with record_function("encoder_forward"):
+        z = encoder(frames_BTCHW)  # [B, T, N, D]
+    with record_function("predictor_step"):
+        act = head(actions_BTK)  # [B, T, A]
+        pred = prediction_loss(predictor, z, act, rollout_steps)
+    with record_function("sigreg_anchor"):
+        if sigreg_on == "frames":
+            tokens = z.mean(2).flatten(0, 1)  # [B*T, D] one pooled embedding per frame
+        else:
+            tokens = z.flatten(0, 2)  # [B*T*N, D]
+            if sigreg_index is not None:
+                tokens = tokens[sigreg_index]
+        reg = sigreg(tokens, directions_DM, num_knots, t_max)
+        if probe_PCHW is not None and global_probe_PND is not None and anchor_weight > 0:
+            anc = anchor_loss(encoder, probe_PCHW, global_probe_PND)
+        else:
+            anc = torch.zeros((), dtype=pred.dtype)
     total = pred.float() + sigreg_weight * reg.float() + anchor_weight * anc.float()
     return LossTerms(total, pred.detach(), reg.detach(), anc.detach())

@@ -21,13 +21,22 @@ THRUSTER_ANGLES = np.deg2rad(np.array([90.0, 210.0, 330.0]))
 THRUSTER_DIRS_K2 = np.stack([np.cos(THRUSTER_ANGLES), np.sin(THRUSTER_ANGLES)], axis=1)  # [3, 2]
 
 
+GLOW_SIGMA = 0.3
+
+
 def render_disk(pos_xy: np.ndarray, image_size: int, radius: float, color: tuple[int, int, int]) -> np.ndarray:
-    """A disk at `pos_xy` (unit square, y up) with an anti-aliased edge; [H, W, 3] uint8."""
+    """A disk at `pos_xy` (unit square, y up) with an anti-aliased edge and a wide glow; [H, W, 3] uint8.
+
+    The glow (a Gaussian of std GLOW_SIGMA lighting the floor) makes every pixel depend smoothly on
+    the agent's position, so image distance grows with spatial distance across the whole arena and
+    a tiny encoder trained for minutes can plan from far away.
+    """
     centers = (np.arange(image_size) + 0.5) / image_size
     xx, yy = np.meshgrid(centers, 1.0 - centers)  # row 0 is the top of the image
     dist = np.sqrt((xx - pos_xy[0]) ** 2 + (yy - pos_xy[1]) ** 2)
     alpha = np.clip((radius - dist) * image_size + 0.5, 0.0, 1.0)[..., None]  # [H, W, 1]
-    floor = np.array([20.0, 24.0, 32.0])
+    glow = np.exp(-0.5 * (dist / GLOW_SIGMA) ** 2)[..., None]
+    floor = np.array([20.0, 24.0, 32.0]) + glow * np.array([60.0, 50.0, 90.0])
     frame = floor * (1.0 - alpha) + np.asarray(color, dtype=np.float64) * alpha
     return np.round(frame).astype(np.uint8)
 
@@ -36,9 +45,9 @@ class _GridAgent(Embodiment):
     """Shared dynamics: position integrates a displacement, clipped to the arena."""
 
     proprio_dim = 2
-    step_size = 0.06
-    success_radius = 0.06
-    radius = 0.09
+    step_size = 0.1
+    success_radius = 0.08
+    radius = 0.14
     color = (240, 200, 60)
 
     def __init__(self, image_size: int = 32) -> None:

@@ -1,0 +1,62 @@
+"""Budgets as data, pre-flight estimates and ceilings."""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from lensemble.budgets import evaluate_budgets, load_budgets, violations
+from lensemble.config import parse_params
+from lensemble.errors import BudgetExceeded, ConfigError
+from lensemble.preflight import enforce, estimate, load_pricing
+from tests.conftest import REPO, micro_params
+
+ENTRY = {"name": "b", "metric": "fed/round_seconds", "low": 0.0, "high": 10.0, "unit": "s", "stage": "federate",
+         "hardware_class": "cpu-2c", "response": "investigate"}
+
+
+def _write(tmp_path, entries):
+    path = tmp_path / "budgets.yaml"
+    path.write_text(yaml.safe_dump({"budgets": entries}))
+    return path
+
+
+def test_repo_budgets_and_pricing_load():
+    assert len(load_budgets(REPO / "budgets.yaml")) >= 10
+    assert "cpu-2c" in load_pricing(REPO / "pricing.yaml")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [({"low": 5.0, "high": 1.0}, "low (5.0) > high (1.0)"), ({"metric": "fed/nonsense"}, "unknown metric name"), ({"response": "panic"}, "response")],
+)
+def test_bad_budget_entries_name_the_entry(tmp_path, change, message):
+    with pytest.raises(ConfigError, match="budget 'b'") as exc:
+        load_budgets(_write(tmp_path, [{**ENTRY, **change}]))
+    assert message in str(exc.value)
+
+
+def test_statuses_within_below_above_not_measured_and_no_band(tmp_path):
+    budgets = load_budgets(_write(tmp_path, [ENTRY, {**ENTRY, "name": "c", "metric": "fed/comm_bytes", "response": "error"}]))
+    rows = {r["name"]: r for r in evaluate_budgets(budgets, "federate", "cpu-2c", {"fed/round_seconds": 3.0})}
+    assert rows["b"]["status"] == "within" and rows["c"]["status"] == "not_measured"
+    assert evaluate_budgets(budgets, "federate", "cpu-2c", {"fed/round_seconds": 11.0})[0]["status"] == "above"
+    assert evaluate_budgets(budgets, "federate", "cpu-2c", {"fed/round_seconds": -1.0})[0]["status"] == "below"
+    assert {r["status"] for r in evaluate_budgets(budgets, "federate", "gpu-x", {"fed/round_seconds": 3.0})} == {"no_band"}
+    over = evaluate_budgets(budgets, "federate", "cpu-2c", {"fed/comm_bytes": 1e9})
+    assert [r["name"] for r in violations(over)] == ["c"]  # only an `error` response is an error
+
+
+def test_preflight_estimate_closed_form_and_ceilings():
+    params = parse_params(micro_params())
+    pricing = {"cpu-2c": {"usd_per_hour": 2.0, "sustained_tflops": 1.0}}
+    est = estimate(params, "federate", flops_per_step=1e12, memory_bytes=2**30, update_bytes=1000, hw_class="cpu-2c", pricing=pricing)
+    steps = 2 * 3 * 2  # rounds × H × sites
+    assert est["steps"] == steps and est["flops_total"] == 1e12 * steps
+    assert est["accelerator_hours"] == pytest.approx(steps / 3600) and est["cost_usd"] == pytest.approx(2 * steps / 3600)
+    assert est["bytes_total"] == 1000 * 2 * 2 and est["memory_gib"] == 1.0
+    enforce(est, params, "federate")
+    tight = parse_params({**micro_params(), "preflight": {"max_cost_usd": 0.001}})
+    with pytest.raises(BudgetExceeded, match="cost_usd"):
+        enforce(est, tight, "federate")
+    with pytest.raises(ConfigError, match="no entry for hardware class 'gpu-z'"):
+        estimate(params, "federate", flops_per_step=1.0, memory_bytes=1.0, update_bytes=1, hw_class="gpu-z", pricing=pricing)
