@@ -14,10 +14,10 @@ def evaluate_flow(root: str = ".") -> None:
         sites = site_names(ctx.params)
         results = {s: fut.result() for s, fut in zip(sites, [evaluate_site.submit(ctx.params, ctx.layout, s) for s in sites])}
         for s, res in results.items():
-            for model in ("centralized", "federated", "random"):
+            for model in ("centralized", "federated", "local_only", "random"):
                 ctx.metric(f"eval/success_rate/{model}", res[model]["success_rate"], participant=s)
             ctx.metric("eval/plan_seconds", res["federated"]["plan_seconds"], participant=s)
-        means = {m: sum(r[m]["success_rate"] for r in results.values()) / len(results) for m in ("centralized", "federated", "random")}
+        means = {m: sum(r[m]["success_rate"] for r in results.values()) / len(results) for m in ("centralized", "federated", "local_only", "random")}
         ctx.measured["eval/success_rate"] = means["federated"]
         ctx.measured["eval/plan_seconds"] = sum(r["federated"]["plan_seconds"] for r in results.values()) / len(results)
         ctx.out.write_json("reports/eval.json", {"sites": results, "mean_success_rate": means})

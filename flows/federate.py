@@ -24,11 +24,11 @@ from lensemble.federation.transports import make_transport
 from lensemble.gauge import pool_tokens
 from lensemble.model.world_model import federated_state, load_federated
 from lensemble.training import encode_frames
-from lensemble.workflow import build_model, probe_frames, site_names
+from lensemble.workflow import action_dims, build_model, probe_frames, site_names, warm_start
 from tasks.federation import aggregate_round, gauge_round
 from tasks.preflight import preflight
 from tasks.runner import stage_run
-from tasks.train import site_announce, site_encode, site_train
+from tasks.train import site_adapt_head, site_announce, site_encode, site_train, train_local_only
 
 
 def _completed(sites: list[str], futures) -> tuple[dict, dict]:
@@ -40,6 +40,12 @@ def _completed(sites: list[str], futures) -> tuple[dict, dict]:
         except Exception as exc:  # a site task failure is a dropout, recorded with its reason
             failed[site] = f"{type(exc).__name__}: {exc}"
     return ok, failed
+
+
+def pooling_bytes(p) -> int:
+    """Bytes every site would ship to pool its raw episodes centrally: uint8 frames plus fp32 actions."""
+    dims = action_dims(p)
+    return sum(s.episodes * p.data.episode_length * (3 * p.data.image_size**2 + 4 * dims[s.embodiment]) for s in p.data.sites)
 
 
 def culprit(exc: IntegrityError) -> str | None:
@@ -87,6 +93,7 @@ def federate_flow(root: str = ".") -> None:
         ctx.extra_manifest.update(preflight=pre["estimate"], compute=pre["compute"], usd_per_hour=pre["usd_per_hour"])
         sites = site_names(p)
         model = build_model(p, "federated")  # the aggregator's copy: only encoder + predictor matter
+        ctx.extra_manifest["warm_start"] = warm_start(model, p, ctx.layout)
         global_state = federated_state(model)
         spec = param_spec(global_state)
         numel = spec_numel(spec)
@@ -133,6 +140,10 @@ def federate_flow(root: str = ".") -> None:
                            "dropped": {**train_failed, **res["dropped"]},
                            "bytes_per_param": sum(v["comm_bytes"] for v in per_site.values()) / (len(members) * numel)})
         torch.save(global_state, ctx.out.path("models/federated.pt"))
+        head_adapt = {}
+        if p.federate.head_adapt_steps:
+            head_adapt = dict(zip(sites, site_adapt_head.map(unmapped(p), unmapped(ctx.layout), sites, unmapped(global_state), [state_paths[s] for s in sites]).result()))
+        local_only = dict(zip(sites, train_local_only.map(unmapped(p), unmapped(ctx.layout), sites, [ctx.out.path(f"models/local/{s}.pt") for s in sites]).result()))
         inner_total = p.federate.rounds * p.federate.inner_steps
         site_rounds = sum(len(r["sites"]) for r in rounds)
         summary = {
@@ -145,10 +156,13 @@ def federate_flow(root: str = ".") -> None:
             "bytes_per_param": total_bytes / (site_rounds * numel),
             "quant_ratio": sum(v["payload_bytes"] for r in rounds for v in r["sites"].values()) / (site_rounds * 4 * numel),
             "step_synchronous_bytes": 2 * 4 * numel * len(sites) * inner_total,
+            "pooling_bytes": pooling_bytes(p),
             "global_params_sha256": state_hash(global_state),
             "round_seconds_mean": sum(r["seconds"] for r in rounds) / len(rounds),
             "final_loss_pred": sum(v["loss/pred"] for v in rounds[-1]["sites"].values()) / len(rounds[-1]["sites"]),
             "per_round": rounds,
+            "local_only": local_only,
+            "head_adapt": head_adapt,
         }
         ctx.measured["fed/bytes_per_param"] = summary["bytes_per_param"]
         ctx.measured["fed/quant_ratio"] = summary["quant_ratio"]

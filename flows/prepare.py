@@ -13,7 +13,8 @@ def prepare_flow(root: str = ".") -> None:
     with stage_run("prepare", root) as ctx:
         sites = sorted(ctx.params.data.sites, key=lambda s: s.name)
         site_futures = [
-            generate_site.submit(ctx.params, s.name, s.embodiment, s.episodes, ctx.out.path(f"data/sites/{s.name}/episodes.parquet"))
+            generate_site.submit(ctx.params, s.name, s.embodiment, s.episodes, ctx.out.path(f"data/sites/{s.name}/episodes.parquet"),
+                                 ctx.out.path(f"data/sites/{s.name}/private_index.npz"))
             for s in sites
         ]
         probe_futures = {emb: generate_probe.submit(ctx.params, emb, ctx.out.path(f"data/probe/{emb}.parquet")) for emb in embodiments(ctx.params)}

@@ -77,7 +77,7 @@ class StepSetting:
     precision: str = "fp32"
 
 
-STEP_SETTINGS = {"tiny": StepSetting("tiny", 64, 16, 4, 16), "small": StepSetting("small", 64, 16, 4, 8)}
+STEP_SETTINGS = {"tiny": StepSetting("tiny", 64, 16, 4, 16, 4), "small": StepSetting("small", 64, 16, 4, 16, 4)}
 SMOKE_SETTINGS = {"tiny": StepSetting("tiny", 16, 8, 2, 1, 2), "small": StepSetting("small", 16, 8, 2, 1, 2)}
 LARGE = StepSetting("large", 224, 16, 4, 16, 16, "bf16")  # the GPU step of benchmarks/gpu_vitl.py
 

@@ -5,6 +5,8 @@
     lensemble check-params     validate params.yaml and print its hash
     lensemble server url|stop  the project's Prefect server (started by the first stage that runs)
     lensemble budgets compare  measured budget values by hardware class and stage, from MLflow
+    lensemble bench [NAME ...] the benchmark suite, each figure beside its physical limit
+    lensemble profile [CONFIG] torch profiler trace and span table of a training step
 
 Errors print one line, `lensemble: error: ...`, and exit with the error's code.
 """
@@ -39,6 +41,15 @@ def stage_flow(stage: str):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("bench", "profile"):  # their own argparse; no Prefect or MLflow involved
+        if argv[0] == "bench":
+            from lensemble.bench import bench_main
+
+            return bench_main(argv[1:])
+        from lensemble.profiling import profile_main
+
+        return profile_main(argv[1:])
     parser = argparse.ArgumentParser(prog="lensemble", description=__doc__.split("\n")[0])
     parser.add_argument("--root", default=".", help="project root (params.yaml, data/, reports/)")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -64,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "run":
             from lensemble.config import load_params
 
-            load_params(root / "params.yaml")  # fail fast, before any server or run starts
+            from lensemble.model.warm_start import validate_warm_start
+
+            # fail fast, before any server or run starts
+            validate_warm_start(load_params(root / "params.yaml"), root)
             ensure_server(Path(os.environ["PREFECT_HOME"]))
             stage_flow(args.stage)(root=str(root))
         elif args.cmd == "budgets":

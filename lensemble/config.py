@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lensemble.errors import ConfigError
 
@@ -72,6 +72,15 @@ class ModelParams(Section):
     action_dim: int = Field(32, ge=1, description="d_a, the shared action-embedding width.")
     warm_start: str | None = Field(None, description="Local checkpoint (path) whose encoder weights initialise the encoder; None: random init.")
 
+    @field_validator("encoder")
+    @classmethod
+    def _known_encoder(cls, name: str) -> str:
+        from lensemble.model.vit import VIT_CONFIGS
+
+        if name not in VIT_CONFIGS:
+            raise ValueError(f"unknown ViT config {name!r}; known: {sorted(VIT_CONFIGS)}")
+        return name
+
 
 class ObjectiveParams(Section):
     sigreg_weight: float = Field(0.05, ge=0.0, description="λ_sig.")
@@ -82,7 +91,7 @@ class ObjectiveParams(Section):
     num_knots: int = Field(17, ge=3, le=1025, description="Epps-Pulley quadrature points.")
     t_max: float = Field(3.0, gt=0.0, le=20.0, description="Upper end of the quadrature interval.")
     rollout_steps: int = Field(1, ge=0, description="Autoregressive rollout steps in L_pred.")
-    probe_batch: int = Field(16, ge=1, description="Probe frames per step for L_anchor.")
+    probe_batch: int = Field(4, ge=1, description="Probe frames per step for L_anchor (a small share of the batch keeps the anchor cheap).")
 
 
 class TrainParams(Section):
@@ -103,6 +112,7 @@ class FederateParams(Section):
     outer_momentum: float = Field(0.9, ge=0.0, lt=1.0, description="Outer Nesterov momentum.")
     transport: Literal["fp32", "int8", "secure_int8"] = Field("secure_int8", description="Wire encoding.")
     quant_block: int = Field(4096, ge=16, le=1 << 24, description="int8 quantization block (one absmax scale per block).")
+    head_adapt_steps: int = Field(50, ge=0, description="Head-only steps each site takes on the final global model (local; 0 = none).")
     drop_policy: Literal["continue", "abort"] = Field("continue", description="A site that fails or drops: finish the round with the survivors, or abort.")
 
 
@@ -116,11 +126,14 @@ class CemParams(Section):
     elites: int = Field(8, ge=1, description="Elites kept per iteration.")
     iterations: int = Field(3, ge=1, description="CEM iterations per plan.")
     horizon: int = Field(3, ge=1, description="Planned steps.")
+    execute_steps: int = Field(1, ge=1, description="Planned actions executed before replanning (receding horizon).")
 
     @model_validator(mode="after")
     def _elites(self) -> "CemParams":
         if self.elites > self.samples:
             raise ValueError(f"elites ({self.elites}) must be <= samples ({self.samples})")
+        if self.execute_steps > self.horizon:
+            raise ValueError(f"execute_steps ({self.execute_steps}) must be <= horizon ({self.horizon})")
         return self
 
 

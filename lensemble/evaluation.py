@@ -47,12 +47,18 @@ def model_rollout_fn(model: WorldModel, embodiment: str, z0_ND: torch.Tensor):
 
 
 @torch.no_grad()
-def run_episode(env: Embodiment, seed: int, max_steps: int, model: WorldModel | None, cfg: CEMConfig, gen: torch.Generator) -> tuple[bool, list[float]]:
-    """One closed-loop episode; random actions when `model` is None. Returns (success, plan seconds)."""
+def run_episode(env: Embodiment, seed: int, max_steps: int, model: WorldModel | None, cfg: CEMConfig, gen: torch.Generator,
+                execute_steps: int = 1) -> tuple[bool, list[float]]:
+    """One closed-loop episode; random actions when `model` is None. Returns (success, plan seconds).
+
+    Receding horizon: plan H actions, execute the first `execute_steps` in the simulator, replan
+    from the new observation with the rest of the plan as the warm start.
+    """
     env.reset(seed)
     rng = np.random.default_rng(seed)
     plan_seconds: list[float] = []
     plan = None
+    queued: list[np.ndarray] = []
     goal = None
     if model is not None:
         model.eval()
@@ -63,21 +69,25 @@ def run_episode(env: Embodiment, seed: int, max_steps: int, model: WorldModel | 
         if model is None:
             action = env.random_action(rng)
         else:
-            t0 = time.perf_counter()
-            z0 = model.encoder(frames_to_tensor(env.render())[None, None])[0, 0]
-            plan, _ = cem_plan(model_rollout_fn(model, env.name, z0), latent_cost(goal), env.action_dim, cfg, gen, plan)
-            plan_seconds.append(time.perf_counter() - t0)
-            action = plan[0].numpy()
-            plan = shift_plan(plan)
+            if not queued:
+                t0 = time.perf_counter()
+                z0 = model.encoder(frames_to_tensor(env.render())[None, None])[0, 0]
+                plan, _ = cem_plan(model_rollout_fn(model, env.name, z0), latent_cost(goal), env.action_dim, cfg, gen, plan)
+                plan_seconds.append(time.perf_counter() - t0)
+                queued = [plan[i].numpy() for i in range(execute_steps)]
+                for _ in range(execute_steps):
+                    plan = shift_plan(plan)
+            action = queued.pop(0)
         env.step(action)
     return env.success(), plan_seconds
 
 
-def evaluate(env: Embodiment, seeds: Sequence[int], max_steps: int, model: WorldModel | None, cfg: CEMConfig, gen: torch.Generator) -> dict[str, float]:
+def evaluate(env: Embodiment, seeds: Sequence[int], max_steps: int, model: WorldModel | None, cfg: CEMConfig, gen: torch.Generator,
+             execute_steps: int = 1) -> dict[str, float]:
     """Success rate, its Wilson 95% CI and mean plan time over the given episode seeds."""
     wins, times = 0, []
     for seed in seeds:
-        ok, t = run_episode(env, seed, max_steps, model, cfg, gen)
+        ok, t = run_episode(env, seed, max_steps, model, cfg, gen, execute_steps)
         wins += int(ok)
         times.extend(t)
     low, high = wilson_interval(wins, len(seeds))

@@ -24,7 +24,8 @@ class Layout:
         return self.site_dir(site) / "manifest.json"
 
     def site_audit(self, site: str) -> Path:
-        return self.site_dir(site) / "audit.jsonl"
+        """The site's residency audit log: site-local, outside every DVC output (append-only)."""
+        return self.root / "audit" / f"{site}.jsonl"
 
     def probe(self, embodiment: str) -> Path:
         return self.data / "probe" / f"{embodiment}.parquet"

@@ -60,11 +60,14 @@ def render_markdown(figures: dict, budgets: list[dict], hw_class: str, hardware:
         f"- effective dim (RankMe) federated {g['final']['effective_dim']['federated']['rankme']:.1f} of {g['final']['latent_dim']}; "
         f"collapse tripwire {'TRIPPED' if g['collapse_tripwire'] else 'quiet'}", "",
         "## Closed-loop latent-MPC evaluation", "",
-        "| site | embodiment | centralized | federated | random | plan s |", "|---|---|---|---|---|---|",
+        "| site | embodiment | centralized (pooled) | federated | local-only | random | plan s |", "|---|---|---|---|---|---|---|",
     ]
     for site, r in e["sites"].items():
         cell = lambda m: f"{r[m]['success_rate']:.2f} [{r[m]['ci_low']:.2f}, {r[m]['ci_high']:.2f}]"  # noqa: E731
-        lines.append(f"| {site} | {r['embodiment']} | {cell('centralized')} | {cell('federated')} | {cell('random')} | {r['federated']['plan_seconds']:.3f} |")
+        lines.append(f"| {site} | {r['embodiment']} | {cell('centralized')} | {cell('federated')} | {cell('local_only')} | {cell('random')} | {r['federated']['plan_seconds']:.3f} |")
+    lines += ["", "Communication each needed: federated "
+              f"{f['comm_bytes_total']:,} bytes on the wire; pooling the raw data centrally {f['pooling_bytes']:,} bytes; "
+              f"a step-synchronous data-parallel run {f['step_synchronous_bytes']:,} bytes; local-only 0 bytes."]
     lines += ["", f"## Budgets ({hw_class})", "", "| budget | stage | metric | band | value | status |", "|---|---|---|---|---|---|"]
     for b in budgets:
         band = "—" if b["low"] is None else f"[{b['low']:g}, {b['high']:g}] {b['unit']}" + (" (planning)" if b.get("planning") else "")

@@ -60,6 +60,15 @@ def build_model(params: Params, purpose: str) -> WorldModel:
         return WorldModel(params.model, params.data.image_size, action_dims(params), max_steps=max(params.data.num_steps, params.evaluate.cem.horizon + 1))
 
 
+def warm_start(model: WorldModel, params: Params, layout: Layout) -> dict | None:
+    """Initialise the encoder from `model.warm_start` (relative to the project root) if set; provenance or None."""
+    if params.model.warm_start is None:
+        return None
+    from lensemble.model.warm_start import warm_start_encoder
+
+    return warm_start_encoder(model, layout.root / params.model.warm_start)
+
+
 def load_site(layout: Layout, params: Params, site: str) -> Episodes:
     """A site's episodes (DataError naming the file on any defect)."""
     return read_episodes(layout.site_episodes(site), params.data.image_size)

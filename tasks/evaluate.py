@@ -42,6 +42,13 @@ def load_federated_for_site(params: Params, layout: Layout, site: str) -> WorldM
     return model.eval()
 
 
+def load_local_only(params: Params, layout: Layout, site: str) -> WorldModel:
+    """The site's no-federation baseline."""
+    model = build_model(params, f"local/{site}")
+    model.load_state_dict(torch.load(_require(layout.models / "local" / f"{site}.pt", f"site {site!r} local-only model"), weights_only=True))
+    return model.eval()
+
+
 @task(name="gauge-final", cache_policy=NONE)
 def gauge_final(params: Params, layout: Layout) -> dict:
     """Final-model diagnostics on the probe: Stage A vs Stage B frame drift and effective dimensions."""
@@ -59,17 +66,18 @@ def gauge_final(params: Params, layout: Layout) -> dict:
 
 @task(name="evaluate-site", cache_policy=NONE)
 def evaluate_site(params: Params, layout: Layout, site: str) -> dict:
-    """Closed-loop success of Stage A, Stage B and random actions on one site's embodiment."""
+    """Closed-loop success of Stage A, Stage B, the local-only baseline and random actions on one site's embodiment."""
     torch.set_num_threads(params.run.torch_threads)
     embodiment = site_embodiment(params, site)
     env = make_embodiment(embodiment, params.data.image_size)
     c = params.evaluate.cem
     cfg = CEMConfig(c.samples, c.elites, c.iterations, c.horizon)
     seeds = eval_seeds(params, embodiment)
-    models = {"centralized": load_centralized(params, layout), "federated": load_federated_for_site(params, layout, site), "random": None}
+    models = {"centralized": load_centralized(params, layout), "federated": load_federated_for_site(params, layout, site),
+              "local_only": load_local_only(params, layout, site), "random": None}
     out = {}
     for name, model in models.items():
         gen = generator(params.run.seed, f"cem/{name}", participant=site)
-        out[name] = evaluate(env, seeds, params.evaluate.max_steps, model, cfg, gen)
+        out[name] = evaluate(env, seeds, params.evaluate.max_steps, model, cfg, gen, c.execute_steps)
     env.close()
     return {"embodiment": embodiment, **out}

@@ -23,6 +23,7 @@ from lensemble.observability.hardware import hardware_class
 from lensemble.observability.manifest import build_manifest, git_state
 from lensemble.observability.metrics import MetricsSink
 from lensemble.paths import Layout
+from tasks.datasets import log_site_datasets
 from tasks.tracking import Tracker
 
 
@@ -147,6 +148,7 @@ def stage_run(stage: str, root: Path | str = ".", params_path: str = "params.yam
         budget_tags = {f"budget.{r['name']}": r["status"] for r in rows}
         tracker.log(run_id, _flatten(params.model_dump(mode="json")), metrics, budget_tags)
         tracker.log_artifact(run_id, manifest_path)
+        log_site_datasets(tracker.client, run_id, ctx.data_manifests, layout.root)
         ctx.sink.flush()
         ctx.out.commit()
         if "preflight" in ctx.extra_manifest:

@@ -9,13 +9,14 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from lensemble.config import Params
+from lensemble.data.audit import PrivateIndex, index_path, load_index
 from lensemble.data.residency import ResidencyGuard
 from lensemble.federation.transport import RoundContext, Transport, param_spec
 from lensemble.gauge import drift, pool_tokens
-from lensemble.model.world_model import federated_state, load_federated
+from lensemble.model.world_model import federated_state, load_federated, local_state
 from lensemble.paths import Layout
 from lensemble.training import encode_frames, make_optimizer, train_steps
-from lensemble.workflow import build_model, load_site, sampler_for, site_embodiment, site_names
+from lensemble.workflow import build_model, load_site, sampler_for, site_embodiment, site_names, warm_start
 
 
 @task(name="train-centralized", cache_policy=NONE)
@@ -23,6 +24,7 @@ def train_centralized(params: Params, layout: Layout, model_path: Path) -> dict:
     """Stage A: one model on the pooled episodes of every site (the upper bound)."""
     torch.set_num_threads(params.run.torch_threads)
     model = build_model(params, "centralized")
+    warm_start(model, params, layout)
     samplers = [(site_embodiment(params, s), sampler_for(load_site(layout, params, s), params)) for s in site_names(params)]
     opt = make_optimizer(model, params.train)
     t0 = time.perf_counter()
@@ -31,6 +33,21 @@ def train_centralized(params: Params, layout: Layout, model_path: Path) -> dict:
     seconds = time.perf_counter() - t0
     torch.save(model.state_dict(), model_path)
     return {"losses": {"pred": log.pred, "sigreg": log.sigreg}, "mean": log.mean(), "seconds": seconds, "steps": params.centralized.steps}
+
+
+@task(name="train-local-only", cache_policy=NONE)
+def train_local_only(params: Params, layout: Layout, site: str, model_path: Path) -> dict:
+    """The no-federation baseline: the site trains alone for as many steps as it trains in Stage B."""
+    torch.set_num_threads(params.run.torch_threads)
+    model = build_model(params, f"local/{site}")
+    warm_start(model, params, layout)
+    opt = make_optimizer(model, params.train)
+    sampler = sampler_for(load_site(layout, params, site), params)
+    steps = params.federate.rounds * params.federate.inner_steps
+    log = train_steps(model, opt, [(site_embodiment(params, site), sampler)], steps, train=params.train, objective=params.objective,
+                      run_seed=params.run.seed, round_idx=-2, data_key=site)
+    torch.save(model.state_dict(), model_path)
+    return {"steps": steps, **log.mean()}
 
 
 @task(name="site-train", cache_policy=NONE)
@@ -51,14 +68,16 @@ def site_train(params: Params, layout: Layout, site: str, round_idx: int, global
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
     load_federated(model, global_state)
-    sampler = sampler_for(load_site(layout, params, site), params)
+    eps = load_site(layout, params, site)
+    sampler = sampler_for(eps, params)
     t0 = time.perf_counter()
     log = train_steps(model, opt, [(embodiment, sampler)], params.federate.inner_steps, train=params.train, objective=params.objective,
                       run_seed=params.run.seed, round_idx=round_idx, data_key=site, probe_PCHW=probe, global_probe_PND=global_probe)
     train_seconds = time.perf_counter() - t0
     local = federated_state(model)
     delta = {n: local[n] - global_state[n] for n in sorted(global_state)}
-    guard = ResidencyGuard(site, param_spec(global_state), layout.site_audit(site), probe_rows=probe.shape[0])
+    private = load_index(layout.site_episodes(site), eps).with_tensors(local_state(model))
+    guard = ResidencyGuard(site, param_spec(global_state), layout.site_audit(site), probe_rows=probe.shape[0], private=private)
     guard.release("update", delta)
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, state_path)
     torch.save(delta, delta_path)
@@ -70,11 +89,36 @@ def site_train(params: Params, layout: Layout, site: str, round_idx: int, global
     return {"metrics": metrics, "probe_embedding": guard.release("public_probe_embedding", site_probe)}
 
 
+@task(name="site-adapt-head", cache_policy=NONE)
+def site_adapt_head(params: Params, layout: Layout, site: str, global_state: dict, state_path: Path) -> dict:
+    """After the last round: the site fits its LOCAL action head to the final global encoder and predictor.
+
+    The head was last trained against the site's own pre-averaging parameters; a few head-only steps
+    re-align it with the model the site will plan with. Nothing leaves the site.
+    """
+    torch.set_num_threads(params.run.torch_threads)
+    embodiment = site_embodiment(params, site)
+    model = build_model(params, f"site/{site}")
+    saved = torch.load(state_path, weights_only=True)
+    model.load_state_dict(saved["model"])
+    load_federated(model, global_state)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith(f"action_heads.{embodiment}."))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=params.train.lr, weight_decay=params.train.weight_decay, foreach=True)
+    sampler = sampler_for(load_site(layout, params, site), params)
+    log = train_steps(model, opt, [(embodiment, sampler)], params.federate.head_adapt_steps, train=params.train, objective=params.objective,
+                      run_seed=params.run.seed, round_idx=params.federate.rounds, data_key=site)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    torch.save({"model": model.state_dict(), "optimizer": saved["optimizer"]}, state_path)
+    return {"steps": params.federate.head_adapt_steps, **log.mean()}
+
+
 @task(name="site-announce", cache_policy=NONE)
 def site_announce(layout: Layout, site: str, delta_path: Path, transport: Transport, ctx: RoundContext) -> bytes:
     """The site's pre-encoding message (e.g. its per-block scales), through the guard."""
     delta = torch.load(delta_path, weights_only=True)
-    guard = ResidencyGuard(site, ctx.spec, layout.site_audit(site))
+    guard = ResidencyGuard(site, ctx.spec, layout.site_audit(site), private=PrivateIndex.load(index_path(layout.site_episodes(site))))
     return guard.release("payload", transport.announce(ctx, site, delta))
 
 
@@ -82,7 +126,7 @@ def site_announce(layout: Layout, site: str, delta_path: Path, transport: Transp
 def site_encode(layout: Layout, site: str, delta_path: Path, transport: Transport, ctx: RoundContext, spec: tuple) -> tuple[bytes, float]:
     """The site serialises (quantizes, masks, signs) its Δ_c; the payload leaves through the guard."""
     delta = torch.load(delta_path, weights_only=True)
-    guard = ResidencyGuard(site, spec, layout.site_audit(site))
+    guard = ResidencyGuard(site, spec, layout.site_audit(site), private=PrivateIndex.load(index_path(layout.site_episodes(site))))
     t0 = time.perf_counter()
     payload = transport.encode(ctx, site, delta)
     encode_seconds = time.perf_counter() - t0

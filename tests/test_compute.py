@@ -182,7 +182,7 @@ def test_bench_names_select_by_prefix_and_reject_unknown(capsys):
 
 
 def test_profile_step_writes_a_trace_with_the_plan_spans(tmp_path):
-    trace = profile_step("micro", 1, tmp_path)
+    trace = profile_step("micro", 1, tmp_path, threads=1)
     names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
     assert set(SPANS) <= names
     assert "encoder_forward" in trace.with_suffix(".txt").read_text()
@@ -246,11 +246,10 @@ def test_warm_start_shape_mismatch_names_the_field_and_tensor(tmp_path):
 def test_unknown_model_name_is_a_config_error_naming_the_field():
     raw = micro_params()
     raw["model"]["encoder"] = "huge"
-    params = parse_params(raw)
     with pytest.raises(ConfigError, match=r"model\.encoder: unknown ViT config 'huge'"):
-        build_model(params, "test")
-    with pytest.raises(ConfigError, match=r"model\.encoder"):
-        compute.compute_summary(params)
+        parse_params(raw)  # refused at load, before any model is built
+    with pytest.raises(ConfigError, match=r"model\.encoder: unknown ViT config 'huge'"):
+        vit_config("huge")
 
 
 def test_patch_that_does_not_divide_the_image_is_a_config_error_naming_both_fields():

@@ -131,4 +131,4 @@ def test_a_run_over_its_ceiling_is_refused_before_training(prefect_server, proje
     with pytest.raises(BudgetExceeded, match="exceeds preflight.max_comm_bytes"):
         federate_flow(root=str(project))
     assert not (project / "models" / "sites").exists() and not (project / "reports" / "federate.json").exists()
-    assert not (project / "data" / "sites" / "site_a" / "audit.jsonl").exists()  # no site task ever ran
+    assert not (project / "audit" / "site_a.jsonl").exists()  # no site task ever ran

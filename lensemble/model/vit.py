@@ -83,7 +83,7 @@ class ViTEncoder(nn.Module):
         """[B, T, 3, H, W] → [B, T, N, D]."""
         B, T = frames_BTCHW.shape[:2]
         x = self.patch(frames_BTCHW.flatten(0, 1))  # [B*T, D, H/p, W/p]
-        x = x.flatten(2).transpose(1, 2) + self.pos  # [B*T, N, D]
+        x = x.flatten(2).transpose(1, 2).contiguous() + self.pos  # [B*T, N, D]; contiguous so LayerNorm does not copy
         for block in self.blocks:
             x = block(x)
         return self.norm(x).reshape(B, T, self.num_tokens, self.width)

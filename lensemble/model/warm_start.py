@@ -77,7 +77,7 @@ def warm_start_encoder(model: nn.Module, checkpoint_path: str | Path) -> dict[st
     return {"path": str(checkpoint_path), "sha256": file_sha256(Path(checkpoint_path)), "tensors": len(tensors)}
 
 
-def validate_warm_start(params) -> None:
+def validate_warm_start(params, root: str | Path = ".") -> None:
     """Fail fast: check `params.model.warm_start` against the configured encoder's shapes, loading nothing.
 
     Builds the model on the meta device, so it is cheap enough to call when params are parsed.
@@ -88,4 +88,5 @@ def validate_warm_start(params) -> None:
 
     with torch.device("meta"):
         encoder = ViTEncoder(vit_config(params.model.encoder), params.data.image_size, params.model.patch_size)
-    check_encoder_state(encoder, encoder_tensors(load_checkpoint(params.model.warm_start)), params.model.warm_start)
+    path = Path(root) / params.model.warm_start
+    check_encoder_state(encoder, encoder_tensors(load_checkpoint(path)), path)
