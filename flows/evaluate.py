@@ -1,7 +1,10 @@
 """Stage `evaluate`: latent-MPC closed loop for Stage A, Stage B and random actions, per embodiment."""
 from __future__ import annotations
 
+import sys
+
 from prefect import flow
+from tqdm import tqdm
 
 from lensemble.workflow import site_names
 from tasks.evaluate import evaluate_site
@@ -12,7 +15,8 @@ from tasks.runner import stage_run
 def evaluate_flow(root: str = ".") -> None:
     with stage_run("evaluate", root) as ctx:
         sites = site_names(ctx.params)
-        results = {s: fut.result() for s, fut in zip(sites, [evaluate_site.submit(ctx.params, ctx.layout, s) for s in sites])}
+        futures = [evaluate_site.submit(ctx.params, ctx.layout, s) for s in sites]
+        results = {s: fut.result() for s, fut in tqdm(list(zip(sites, futures)), desc="evaluate sites", unit="site", disable=not sys.stderr.isatty())}
         for s, res in results.items():
             for model in ("centralized", "federated", "local_only", "random"):
                 ctx.metric(f"eval/success_rate/{model}", res[model]["success_rate"], participant=s)

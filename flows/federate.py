@@ -11,13 +11,18 @@ site is ever half-applied.
 from __future__ import annotations
 
 import re
+import sys
 import time
 from pathlib import Path
 
 import torch
 from prefect import flow, unmapped
+from tqdm import tqdm
 
 from lensemble.errors import IntegrityError, ParticipantDropped
+from lensemble.federation.checkpoint import (
+    FederationCheckpoint, capture_rng, commit_site_state, load_checkpoint, prune_site_states, restore_rng, restore_sites, save_checkpoint,
+)
 from lensemble.federation.outer import state_hash
 from lensemble.federation.transport import RoundContext, Transport, param_spec, spec_numel
 from lensemble.federation.transports import make_transport
@@ -40,6 +45,14 @@ def _completed(sites: list[str], futures) -> tuple[dict, dict]:
         except Exception as exc:  # a site task failure is a dropout, recorded with its reason
             failed[site] = f"{type(exc).__name__}: {exc}"
     return ok, failed
+
+
+def remove_checkpoint(ckpt_path: Path, sites_root: Path, sites: list[str]) -> None:
+    """The stage finished: its checkpoint and the sites' snapshots are spent."""
+    ckpt_path.unlink(missing_ok=True)
+    for s in sites:
+        for snap in (sites_root / s).glob("round-*.pt"):
+            snap.unlink()
 
 
 def pooling_bytes(p) -> int:
@@ -104,7 +117,19 @@ def federate_flow(root: str = ".") -> None:
         state_paths = {s: ctx.out.path(f"models/sites/{s}.pt") for s in sites}
         delta_paths = {s: ctx.out.path(f"models/sites/{s}.delta.pt") for s in sites}
         run_id = p.hash()[:16]
-        for r in range(p.federate.rounds):
+        # crash-resume: a checkpoint per run id, committed after every round, removed when the stage succeeds
+        ckpt_root = ctx.layout.root / "checkpoints"
+        ckpt_path = ckpt_root / "federate" / f"{run_id}.ckpt"
+        ckpt = load_checkpoint(ckpt_path, run_id)
+        start = 0
+        site_refs: dict = {}
+        if ckpt is not None:
+            global_state, momentum, rounds, start, site_refs = ckpt.global_params, ckpt.momentum, list(ckpt.history), ckpt.round_idx, dict(ckpt.site_states)
+            total_bytes = sum(v["comm_bytes"] for r in rounds for v in r["sites"].values())
+            restore_rng(ckpt.rng)
+        restore_sites(ckpt, state_paths)
+        ctx.extra_manifest["resumed_from_round"] = start
+        for r in tqdm(range(start, p.federate.rounds), desc="federate rounds", unit="round", disable=not sys.stderr.isatty()):
             t_round = time.perf_counter()
             load_federated(model, global_state)
             global_probe = encode_frames(model, probe)
@@ -139,6 +164,11 @@ def federate_flow(root: str = ".") -> None:
             rounds.append({"round": r, "seconds": round_seconds, "outer_step_seconds": res["outer_seconds"], "sites": per_site, "gauge": gauge,
                            "dropped": {**train_failed, **res["dropped"]},
                            "bytes_per_param": sum(v["comm_bytes"] for v in per_site.values()) / (len(members) * numel)})
+            for s in members:
+                site_refs[s] = commit_site_state(state_paths[s], ckpt_root / "sites" / s, r)
+            save_checkpoint(ckpt_path, FederationCheckpoint(run_id, r + 1, global_state, momentum, site_refs, capture_rng(), rounds))
+            for s in members:
+                prune_site_states(ckpt_root / "sites" / s, site_refs[s])
         torch.save(global_state, ctx.out.path("models/federated.pt"))
         head_adapt = {}
         if p.federate.head_adapt_steps:
@@ -167,5 +197,7 @@ def federate_flow(root: str = ".") -> None:
         ctx.measured["fed/bytes_per_param"] = summary["bytes_per_param"]
         ctx.measured["fed/quant_ratio"] = summary["quant_ratio"]
         ctx.measured["fed/round_seconds"] = summary["round_seconds_mean"]
+        ctx.measured["fed/outer_step_seconds"] = sum(r["outer_step_seconds"] for r in rounds) / len(rounds)
         ctx.measured["gauge/effective_dim_fraction"] = rounds[-1]["gauge"]["effective_dim"]["rankme"] / model.latent_dim
         ctx.out.write_json("reports/federate.json", summary)
+        remove_checkpoint(ckpt_path, ckpt_root / "sites", sites)

@@ -1,7 +1,10 @@
 """Stage `prepare`: every site's episode store and the public probe set, one Prefect task run each."""
 from __future__ import annotations
 
+import sys
+
 from prefect import flow
+from tqdm import tqdm
 
 from lensemble.workflow import embodiments
 from tasks.data import generate_probe, generate_site
@@ -18,7 +21,7 @@ def prepare_flow(root: str = ".") -> None:
             for s in sites
         ]
         probe_futures = {emb: generate_probe.submit(ctx.params, emb, ctx.out.path(f"data/probe/{emb}.parquet")) for emb in embodiments(ctx.params)}
-        for s, fut in zip(sites, site_futures):
+        for s, fut in tqdm(list(zip(sites, site_futures)), desc="generate sites", unit="site", disable=not sys.stderr.isatty()):
             manifest = fut.result()
             ctx.data_manifests[s.name] = manifest
             ctx.out.write_json(f"data/sites/{s.name}/manifest.json", manifest)

@@ -37,7 +37,10 @@ def training_steps(params: Params, stage: str) -> int:
     if stage == "centralized":
         return params.centralized.steps
     if stage == "federate":
-        return params.federate.rounds * params.federate.inner_steps * len(params.data.sites)
+        sites = len(params.data.sites)
+        federated = params.federate.rounds * params.federate.inner_steps * sites
+        local_only = params.federate.rounds * params.federate.inner_steps * sites  # the no-federation baselines
+        return federated + local_only + params.federate.head_adapt_steps * sites
     raise ValueError(f"stage {stage!r} does not train")
 
 

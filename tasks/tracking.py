@@ -9,6 +9,7 @@ so every stage of one configuration lands under one parent, whichever stages DVC
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from mlflow.entities import Metric, RunStatus
@@ -32,10 +33,12 @@ class Tracker:
     """A thin client bound to the lensemble experiment."""
 
     def __init__(self, root: Path) -> None:
+        t0 = time.perf_counter()
         uri = tracking_uri(root)
         self.client = MlflowClient(tracking_uri=uri)
         exp = self.client.get_experiment_by_name(EXPERIMENT)
         self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(EXPERIMENT, artifact_location=_artifact_root(uri, root))
+        self.setup_seconds = time.perf_counter() - t0  # store open/migration check, part of the tracking overhead
 
     def parent_run(self, pipeline_key: str, tags: dict[str, str]) -> str:
         """The parent run for this pipeline key, created on first use."""

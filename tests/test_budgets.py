@@ -50,7 +50,7 @@ def test_preflight_estimate_closed_form_and_ceilings():
     params = parse_params(micro_params())
     pricing = {"cpu-2c": {"usd_per_hour": 2.0, "sustained_tflops": 1.0}}
     est = estimate(params, "federate", flops_per_step=1e12, memory_bytes=2**30, update_bytes=1000, hw_class="cpu-2c", pricing=pricing)
-    steps = 2 * 3 * 2  # rounds × H × sites
+    steps = 2 * (2 * 3 * 2) + 50 * 2  # (federated + local-only) rounds × H × sites + head adaptation × sites
     assert est["steps"] == steps and est["flops_total"] == 1e12 * steps
     assert est["accelerator_hours"] == pytest.approx(steps / 3600) and est["cost_usd"] == pytest.approx(2 * steps / 3600)
     assert est["bytes_total"] == 1000 * 2 * 2 and est["memory_gib"] == 1.0

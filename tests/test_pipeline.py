@@ -132,3 +132,42 @@ def test_a_run_over_its_ceiling_is_refused_before_training(prefect_server, proje
         federate_flow(root=str(project))
     assert not (project / "models" / "sites").exists() and not (project / "reports" / "federate.json").exists()
     assert not (project / "audit" / "site_a.jsonl").exists()  # no site task ever ran
+
+
+def test_federate_killed_mid_run_resumes_bitwise(prefect_server, project, tmp_path, monkeypatch):
+    """SIGKILL the coordinator after its first committed round; the rerun resumes and ends bit-identical."""
+    import os
+    import signal
+    import time
+
+    from flows.federate import federate_flow
+    from flows.prepare import prepare_flow
+
+    params = micro_params()
+    params["federate"].update(rounds=5)
+    (project / "params.yaml").write_text(yaml.safe_dump(params))
+    prepare_flow(root=str(project))
+    reference = make_project(tmp_path / "reference", params)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{reference / 'mlflow.db'}")
+    prepare_flow(root=str(reference))
+    federate_flow(root=str(reference))
+    expected = json.loads((reference / "reports" / "federate.json").read_text())["global_params_sha256"]
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{project / 'mlflow.db'}")
+    env = {**os.environ, "LENSEMBLE_PREFECT": "ephemeral"}
+    proc = subprocess.Popen([sys.executable, "-m", "lensemble.cli", "--root", str(project), "run", "federate"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpt_dir = project / "checkpoints" / "federate"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not any(ckpt_dir.glob("*.ckpt")) and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    ckpts = list(ckpt_dir.glob("*.ckpt"))
+    assert ckpts, "the coordinator was killed before it committed a round"
+    assert not (project / "reports" / "federate.json").exists()
+    federate_flow(root=str(project))
+    manifest = json.loads((project / "reports" / "manifests" / "federate.json").read_text())
+    assert manifest["resumed_from_round"] >= 1
+    assert json.loads((project / "reports" / "federate.json").read_text())["global_params_sha256"] == expected
+    assert not list(ckpt_dir.glob("*.ckpt"))  # spent once the stage succeeded
