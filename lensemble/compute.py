@@ -271,6 +271,10 @@ def activation_bytes(s: StepShape) -> dict[str, int]:
         "sigreg": sigreg_activation_bytes(s),
         "anchor": encoder_activation_bytes(s, s.probe) if s.probe else 0,
     }
+    if s.probe and s.working_bytes == FP32:
+        # the anchor shares the encoder pass: the patch conv saves the concatenated batch + probe frames
+        # (under autocast it saves the bf16 cast, already counted in encoder_activation_bytes)
+        terms["anchor"] += (s.batch * s.frames + s.probe) * 3 * s.image**2 * FP32
     terms["total"] = sum(terms.values())
     return terms
 

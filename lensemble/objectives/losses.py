@@ -63,8 +63,18 @@ def world_model_loss(
     The profiler spans (encoder_forward, predictor_step, sigreg_anchor) are the profiling plan's
     (spec 08 §6); `record_function` only labels, it changes no number.
     """
+    use_anchor = probe_PCHW is not None and global_probe_PND is not None and anchor_weight > 0
     with record_function("encoder_forward"):
-        z = encoder(frames_BTCHW)  # [B, T, N, D]
+        if use_anchor:
+            # One encoder pass over the batch's frames and the probe frames together: the anchor then
+            # costs its frames' share of the forward, not a second pass with its own fixed overheads.
+            B, T = frames_BTCHW.shape[:2]
+            both = torch.cat([frames_BTCHW.flatten(0, 1), probe_PCHW])[None]  # [1, B*T + P, 3, H, W]
+            z_all = encoder(both)[0]  # [B*T + P, N, D]
+            z = z_all[: B * T].reshape(B, T, *z_all.shape[1:])  # [B, T, N, D]
+            z_probe = z_all[B * T :]  # [P, N, D]
+        else:
+            z = encoder(frames_BTCHW)  # [B, T, N, D]
     with record_function("predictor_step"):
         act = head(actions_BTK)  # [B, T, A]
         pred = prediction_loss(predictor, z, act, rollout_steps)
@@ -76,8 +86,8 @@ def world_model_loss(
             if sigreg_index is not None:
                 tokens = tokens[sigreg_index]
         reg = sigreg(tokens, directions_DM, num_knots, t_max)
-        if probe_PCHW is not None and global_probe_PND is not None and anchor_weight > 0:
-            anc = anchor_loss(encoder, probe_PCHW, global_probe_PND)
+        if use_anchor:
+            anc = F.mse_loss(z_probe, global_probe_PND)  # = anchor_loss(encoder, probe, global), same pass
         else:
             anc = torch.zeros((), dtype=pred.dtype)
     total = pred.float() + sigreg_weight * reg.float() + anchor_weight * anc.float()
