@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from prefect import flow
 
-from lensemble.model.world_model import WorldModel
 from tasks.preflight import preflight
 from tasks.runner import stage_run
 from tasks.train import train_centralized

@@ -43,9 +43,8 @@ from lensemble.data.windows import WindowSampler
 from lensemble.errors import ConfigError
 from lensemble.model.world_model import WorldModel
 from lensemble.objectives.losses import LossTerms, anchor_loss, prediction_loss
-from lensemble.objectives.sigreg import random_directions, sigreg
-from lensemble.seeds import generator
-from lensemble.training import StepLog, autocast_context
+from lensemble.objectives.sigreg import sigreg
+from lensemble.training import StepDraws, StepLog, autocast_context
 
 
 def shard_rows(x_B: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -181,20 +180,10 @@ def ddp_train_steps(
         loss_module = DistributedDataParallel(loss_module, process_group=group, find_unused_parameters=len(loss_module.heads) > 1)
     model.train()
     log = StepLog()
-    batch_gen = generator(run_seed, "windows", round_idx, data_key)
-    probe_gen = generator(run_seed, "probe_batch", round_idx, data_key)
+    draws = StepDraws(run_seed, round_idx, data_key)  # the same draws as train_steps, on every rank
     for step in range(steps):
-        # draws in exactly train_steps' order: batch, directions, token subset, probe rows
-        embodiment, sampler = samplers[step % len(samplers)]
-        frames, actions = sampler.sample(train.batch_size, batch_gen)  # [B, T, 3, H, W], [B, T, K]
-        sig_gen = generator(run_seed, "sigreg", round_idx, step=step)
-        directions = random_directions(model.latent_dim, objective.sketch_dim, sig_gen)
-        num_tokens = frames.shape[0] * frames.shape[1] * model.encoder.num_tokens
-        sig_index = torch.randperm(num_tokens, generator=sig_gen)[: objective.sigreg_tokens] if num_tokens > objective.sigreg_tokens else None
-        probe = global_probe = None
-        if probe_PCHW is not None and global_probe_PND is not None:
-            idx = torch.randint(0, probe_PCHW.shape[0], (min(objective.probe_batch, probe_PCHW.shape[0]),), generator=probe_gen)
-            probe, global_probe = probe_PCHW[idx], global_probe_PND[idx]
+        embodiment, frames, actions, directions, sig_index, probe, global_probe = draws.draw(
+            step, samplers, model, train, objective, probe_PCHW, global_probe_PND)
         with autocast_context(train.precision):
             terms = loss_module(embodiment, shard_rows(frames, rank, world), shard_rows(actions, rank, world), directions, sig_index,
                                 objective, gather_group, probe, global_probe)

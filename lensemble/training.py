@@ -50,6 +50,32 @@ def autocast_context(precision: str):
     return contextlib.nullcontext()
 
 
+class StepDraws:
+    """Every random draw of a training step, in one fixed order: Window batch, SIGReg directions,
+    SIGReg token subset, probe rows. `train_steps` and `distributed.ddp_train_steps` both draw
+    through this, so single-process and data-parallel training see the same batches."""
+
+    def __init__(self, run_seed: int, round_idx: int, data_key: str) -> None:
+        self.run_seed, self.round_idx = run_seed, round_idx
+        self.batch_gen = generator(run_seed, "windows", round_idx, data_key)
+        self.probe_gen = generator(run_seed, "probe_batch", round_idx, data_key)
+
+    def draw(self, step: int, samplers: Sequence[tuple[str, WindowSampler]], model: WorldModel, train: TrainParams,
+             objective: ObjectiveParams, probe_PCHW: torch.Tensor | None, global_probe_PND: torch.Tensor | None):
+        """(embodiment, frames [B,T,3,H,W], actions [B,T,K], directions [D,M], token subset or None, probe, global probe)."""
+        embodiment, sampler = samplers[step % len(samplers)]
+        frames, actions = sampler.sample(train.batch_size, self.batch_gen)
+        sig_gen = generator(self.run_seed, "sigreg", self.round_idx, step=step)
+        directions = random_directions(model.latent_dim, objective.sketch_dim, sig_gen)
+        num_tokens = frames.shape[0] * frames.shape[1] * model.encoder.num_tokens
+        sig_index = torch.randperm(num_tokens, generator=sig_gen)[: objective.sigreg_tokens] if num_tokens > objective.sigreg_tokens else None
+        probe = global_probe = None
+        if probe_PCHW is not None and global_probe_PND is not None:
+            idx = torch.randint(0, probe_PCHW.shape[0], (min(objective.probe_batch, probe_PCHW.shape[0]),), generator=self.probe_gen)
+            probe, global_probe = probe_PCHW[idx], global_probe_PND[idx]
+        return embodiment, frames, actions, directions, sig_index, probe, global_probe
+
+
 def train_steps(
     model: WorldModel,
     optimizer: torch.optim.Optimizer,
@@ -68,19 +94,10 @@ def train_steps(
     """`steps` AdamW steps; step i trains on samplers[i % len(samplers)] (round-robin pooling)."""
     model.train()
     log = StepLog()
-    batch_gen = generator(run_seed, "windows", round_idx, data_key)
-    probe_gen = generator(run_seed, "probe_batch", round_idx, data_key)
+    draws = StepDraws(run_seed, round_idx, data_key)
     for step in range(steps):
-        embodiment, sampler = samplers[step % len(samplers)]
-        frames, actions = sampler.sample(train.batch_size, batch_gen)
-        sig_gen = generator(run_seed, "sigreg", round_idx, step=step)
-        directions = random_directions(model.latent_dim, objective.sketch_dim, sig_gen)
-        num_tokens = frames.shape[0] * frames.shape[1] * model.encoder.num_tokens
-        sig_index = torch.randperm(num_tokens, generator=sig_gen)[: objective.sigreg_tokens] if num_tokens > objective.sigreg_tokens else None
-        probe = global_probe = None
-        if probe_PCHW is not None and global_probe_PND is not None:
-            idx = torch.randint(0, probe_PCHW.shape[0], (min(objective.probe_batch, probe_PCHW.shape[0]),), generator=probe_gen)
-            probe, global_probe = probe_PCHW[idx], global_probe_PND[idx]
+        embodiment, frames, actions, directions, sig_index, probe, global_probe = draws.draw(
+            step, samplers, model, train, objective, probe_PCHW, global_probe_PND)
         with autocast_context(train.precision):
             terms = world_model_loss(
                 model.encoder, model.predictor, model.action_heads[embodiment], frames, actions, directions, sig_index,
