@@ -54,7 +54,7 @@ from lensemble.data.episodes import Episodes
 from lensemble.data.windows import WindowSampler
 from lensemble.errors import ConfigError, LensembleError
 from lensemble.federation import bench_wire
-from lensemble.federation.bench_wire import _best_seconds as best_seconds
+from lensemble.federation.bench_wire import best_seconds
 from lensemble.objectives.sigreg import random_directions, sigreg
 from lensemble.observability.hardware import hardware_class, hardware_string
 from lensemble.training import encode_frames, make_optimizer, train_steps

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -33,18 +33,10 @@ from lensemble.data.audit import PrivateIndex, fingerprints, index_path
 from lensemble.data.episodes import Episodes, data_manifest, generate_episodes, write_episodes
 from lensemble.data.residency import ResidencyGuard
 from lensemble.data.windows import WindowSampler
+from lensemble.federation.bench_wire import best_seconds
 from lensemble.sim.registry import make_embodiment
 
 DEFAULT_SITES = (("site_a", "pusht"), ("site_b", "mujoco_point"), ("site_c", "mujoco_reacher"))
-
-
-def _best(fn: Callable[[], object], repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def synthetic_episodes(episodes: int = 48, length: int = 32, image_size: int = 64, action_dim: int = 2, seed: int = 0) -> Episodes:
@@ -66,7 +58,7 @@ def bench_loader(image_size: int = 64, num_steps: int = 4, batch: int = 64, epis
     gen = torch.Generator().manual_seed(0)
     for _ in range(3):
         sampler.sample(batch, gen)  # warm the allocator
-    seconds = _best(lambda: [sampler.sample(batch, gen) for _ in range(batches)], 3) / batches
+    seconds = best_seconds(lambda: [sampler.sample(batch, gen) for _ in range(batches)], 3) / batches
     pixels = num_steps * image_size * image_size * 3
     moved = pixels * (1 + 1) + pixels * (1 + 4)  # gather: read + write uint8; lookup: read uint8, write float32
     copy = copy_bandwidth(256 << 20)
@@ -162,9 +154,9 @@ def bench_guard(params_path: Path | str = "params.yaml", repeats: int = 3) -> di
             guard.release("public_probe_embedding", site_probe)
             guard.release("payload", payload)
 
-        guard_s = _best(guarded_round, repeats)
-        update_s = _best(lambda: ResidencyGuard(site.name, spec, None, private=PrivateIndex.load(index_path(store))).release("update", delta), repeats)
-        unscanned_s = _best(lambda: ResidencyGuard(site.name, spec, None).release("update", delta), repeats)
+        guard_s = best_seconds(guarded_round, repeats)
+        update_s = best_seconds(lambda: ResidencyGuard(site.name, spec, None, private=PrivateIndex.load(index_path(store))).release("update", delta), repeats)
+        unscanned_s = best_seconds(lambda: ResidencyGuard(site.name, spec, None).release("update", delta), repeats)
     numel = sum(t.numel() for t in delta.values())
     return {
         "round_s": round_s,

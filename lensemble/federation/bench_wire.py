@@ -34,7 +34,7 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
+def best_seconds(fn: Callable[[], object], repeats: int) -> float:
     """Best wall time of `repeats` calls (the least disturbed by other processes on a shared machine)."""
     best = float("inf")
     for _ in range(repeats):
@@ -49,7 +49,7 @@ def copy_bandwidth(num_bytes: int = 256 << 20, repeats: int = 3) -> float:
     with _one_thread():
         src = torch.ones(num_bytes // 4, dtype=torch.float32)
         dst = torch.empty_like(src)
-        return 2 * num_bytes / _best_seconds(lambda: dst.copy_(src), repeats)
+        return 2 * num_bytes / best_seconds(lambda: dst.copy_(src), repeats)
 
 
 def bench_keystream(num_bytes: int = 256 << 20, repeats: int = 3, num_peers: int = 4) -> dict[str, float]:
@@ -61,11 +61,11 @@ def bench_keystream(num_bytes: int = 256 << 20, repeats: int = 3, num_peers: int
     with _one_thread():
         zeros, out = bytes(num_bytes), bytearray(num_bytes)
         key = os.urandom(32)
-        keystream_s = _best_seconds(lambda: secagg.keystream_into(key, zeros, memoryview(out)), repeats)
+        keystream_s = best_seconds(lambda: secagg.keystream_into(key, zeros, memoryview(out)), repeats)
         keys = {f"s{i}": X25519PrivateKey.generate() for i in range(num_peers + 1)}
         public = {site: k.public_key().public_bytes_raw() for site, k in keys.items()}
         numel = num_bytes // num_peers // 2
-        mask_s = _best_seconds(lambda: secagg.site_mask("s0", keys["s0"], public, "bench", 0, "s", numel, 16), repeats)
+        mask_s = best_seconds(lambda: secagg.site_mask("s0", keys["s0"], public, "bench", 0, "s", numel, 16), repeats)
     return {
         "num_bytes": float(num_bytes),
         "keystream_gbps": num_bytes / keystream_s / 1e9,
@@ -82,10 +82,10 @@ def bench_quant_mask(
         keys = {f"s{i}": X25519PrivateKey.generate() for i in range(num_sites)}
         public = {site: key.public_key().public_bytes_raw() for site, key in keys.items()}
         q_N, _ = quantize_int8(x_N, block)
-        quantize_s = _best_seconds(lambda: quantize_int8(x_N, block), repeats)
-        mask_s = _best_seconds(lambda: secagg.site_mask("s0", keys["s0"], public, "bench", 0, "s", numel, 16), repeats)
+        quantize_s = best_seconds(lambda: quantize_int8(x_N, block), repeats)
+        mask_s = best_seconds(lambda: secagg.site_mask("s0", keys["s0"], public, "bench", 0, "s", numel, 16), repeats)
         mask_N = secagg.site_mask("s0", keys["s0"], public, "bench", 0, "s", numel, 16)
-        add_s = _best_seconds(lambda: secagg.mask_codes(q_N, mask_N, 16), repeats)
+        add_s = best_seconds(lambda: secagg.mask_codes(q_N, mask_N, 16), repeats)
     return {
         "numel": float(numel), "num_sites": float(num_sites), "quantize_s": quantize_s, "mask_s": mask_s,
         "add_s": add_s, "total_s": quantize_s + mask_s + add_s,
