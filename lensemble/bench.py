@@ -318,7 +318,11 @@ def report_lines(r: dict[str, float]) -> list[str]:
                      f"{r['wire.quant_mask_num_sites']:.0f} sites")
     if "wire.aggregate_ratio" in r:
         lines.append(f"wire.aggregate_ratio {r['wire.aggregate_ratio']:.2f}  {r['wire.aggregate_total_s']:.3f} s vs memory floor "
-                     f"{r['wire.aggregate_floor_s']:.3f} s")
+                     f"{r['wire.aggregate_floor_s']:.3f} s (sum + outer step + self-check, {'native' if r['wire.aggregate_native'] else 'eager'}; "
+                     f"eager {r['wire.aggregate_ratio_eager']:.2f}, once without self-check "
+                     f"{r['wire.aggregate_ratio_one_evaluation']:.2f}; fresh buffers "
+                     f"{r['wire.aggregate_ratio_fresh_alloc']:.2f}; signature checks {r['wire.aggregate_signature_verify_s']:.3f} s "
+                     f"at arrival, {r['wire.aggregate_verify_gbps']:.2f} GB/s)")
     return lines
 
 

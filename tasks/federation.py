@@ -23,7 +23,7 @@ def aggregate_round(ctx: RoundContext, transport: Transport, payloads: Mapping[s
     `retries=1`: a NonDeterministicAggregation aborts the attempt and the task recomputes once.
     """
     t0 = time.perf_counter()
-    new_params, new_buf, _ = aggregate_and_step(ctx, transport, payloads, params, momentum, lr, beta)
+    new_params, new_buf = aggregate_and_step(ctx, transport, payloads, params, momentum, lr, beta)
     return new_params, new_buf, time.perf_counter() - t0
 
 

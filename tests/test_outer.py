@@ -1,13 +1,14 @@
 """Outer step and deterministic aggregation (INV-AGG-DETERMINISM)."""
 from __future__ import annotations
 
+import ctypes
 import random
 
 import pytest
 import torch
 
 from lensemble.errors import IntegrityError, NonDeterministicAggregation
-from lensemble.federation import outer
+from lensemble.federation import native, outer
 from lensemble.federation.outer import aggregate_and_step, nesterov_step, state_hash
 from lensemble.federation.transport import PlainFP32, RoundContext, param_spec
 
@@ -97,23 +98,97 @@ def test_encode_rejects_nan_wrong_shape_and_unknown_site():
 
 
 def test_outer_step_self_check_raises_on_nondeterminism(monkeypatch):
-    spec = (("encoder.w", (3,)),)
+    spec = (("encoder.w", (3000,)),)
     t = PlainFP32()
     ctx = _ctx(["a"], spec)
-    payloads = {"a": t.encode(ctx, "a", {"encoder.w": torch.ones(3)})}
-    params = {"encoder.w": torch.zeros(3)}
+    payloads = {"a": t.encode(ctx, "a", {"encoder.w": torch.ones(3000)})}
+    params = {"encoder.w": torch.zeros(3000)}
     calls = iter(range(100))
-    real = outer.nesterov_step
+    real = outer._step_chunk
 
-    def flaky(p, d, b, lr, momentum):
-        new_p, new_b = real(p, d, b, lr, momentum)
-        if next(calls) % 2:
-            new_p = {k: v + 1e-7 for k, v in new_p.items()}
-        return new_p, new_b
+    def flaky(*args):
+        real(*args)
+        if next(calls) == 3:  # the re-evaluation of the second chunk drifts by one ulp in one element
+            new_p_n = args[7]
+            new_p_n[5] = torch.nextafter(new_p_n[5], torch.tensor(1.0))
 
-    monkeypatch.setattr(outer, "nesterov_step", flaky)
-    with pytest.raises(NonDeterministicAggregation):
-        aggregate_and_step(ctx, t, payloads, params, None, 0.7, 0.9)
+    monkeypatch.setattr(outer, "_step_chunk", flaky)
+    with pytest.raises(NonDeterministicAggregation, match=r"encoder.w\[1000:2000\]"):
+        outer.apply_outer_step(ctx, t, t.verify(ctx, payloads), params, None, 0.7, 0.9, chunk=1000)
+    assert torch.equal(params["encoder.w"], torch.zeros(3000))  # inputs untouched: the round can recompute
+
+
+def _transports():
+    from lensemble.federation.secure_transport import Int8Transport, SecureInt8Transport
+
+    return [PlainFP32(), Int8Transport(block=64), SecureInt8Transport(block=64), SecureInt8Transport(block=64, ring_bits=32)]
+
+
+@pytest.fixture(params=["native", "eager"])
+def kernel_path(request, monkeypatch):
+    """Run a test on the native kernel (where a C compiler exists) and on the eager NumPy/torch path."""
+    if request.param == "native":
+        if native.load() is None:
+            pytest.skip("no C compiler: the native kernel cannot be built here")
+    else:
+        monkeypatch.setenv("LENSEMBLE_NATIVE", "0")
+    native.load.cache_clear()
+    yield request.param
+    native.load.cache_clear()
+
+
+@pytest.mark.parametrize("index", range(4))
+@pytest.mark.parametrize("chunk", [1, 63, 1000, 1 << 18])
+def test_fused_step_equals_aggregate_then_reference_step_bit_for_bit(index, chunk, kernel_path):
+    # Chunks that split blocks and tensors anywhere, three rounds so momentum is None, then carried.
+    transport = _transports()[index]
+    gen = torch.Generator().manual_seed(11)
+    params = {"a.w": torch.randn(3, 5, generator=gen), "b": torch.randn(1000, generator=gen), "c": torch.randn(2049, generator=gen)}
+    spec, sites = param_spec(params), ("s0", "s1", "s2")
+    ref_params, ref_buf, buf = params, None, None
+    for r in range(3):
+        ctx = RoundContext("run", r, sites, spec, {"s0": 0.5, "s1": 0.3, "s2": 0.2})
+        deltas = {s: {k: torch.randn(v.shape, generator=gen) * 1e-2 for k, v in params.items()} for s in sites}
+        transport.begin_round(ctx)
+        transport.agree(ctx, {s: transport.announce(ctx, s, deltas[s]) for s in sites})
+        payloads = {s: transport.encode(ctx, s, deltas[s]) for s in sites}
+        ref_params, ref_buf = nesterov_step(ref_params, transport.aggregate(ctx, payloads), ref_buf, lr=0.7, momentum=0.9)
+        params, buf = outer.apply_outer_step(ctx, transport, transport.verify(ctx, payloads), params, buf, 0.7, 0.9, chunk=chunk)
+        assert state_hash(params) == state_hash(ref_params) and state_hash(buf) == state_hash(ref_buf)
+
+
+def test_the_native_kernel_is_used_where_it_can_be_built_and_self_checks_every_tile():
+    from lensemble.federation.secure_transport import SecureInt8Transport
+
+    if native.load() is None:
+        pytest.skip("no C compiler: the native kernel cannot be built here")
+    transport, sites = SecureInt8Transport(block=64), ("a", "b", "c")
+    params = {"w": torch.zeros(3 * native.TILE + 5)}
+    ctx = RoundContext("run", 0, sites, param_spec(params))
+    deltas = {s: {"w": torch.full((3 * native.TILE + 5,), 1e-3 * (i + 1))} for i, s in enumerate(sites)}
+    transport.begin_round(ctx)
+    transport.agree(ctx, {s: transport.announce(ctx, s, deltas[s]) for s in sites})
+    accepted = transport.verify(ctx, {s: transport.encode(ctx, s, deltas[s]) for s in sites})
+    assert transport.fused_kernel(ctx, accepted, 0.7, 0.9) is not None
+    fault = ctypes.c_int64.in_dll(native.load(), "lens_fault_at")
+    fault.value = 2 * native.TILE  # the third tile's re-evaluation drifts by one ulp
+    try:
+        with pytest.raises(NonDeterministicAggregation, match=rf"w\[{2 * native.TILE}:{3 * native.TILE}\]"):
+            outer.apply_outer_step(ctx, transport, accepted, params, None, 0.7, 0.9)
+    finally:
+        fault.value = -1
+    assert torch.equal(params["w"], torch.zeros(3 * native.TILE + 5))
+    outer.apply_outer_step(ctx, transport, accepted, params, None, 0.7, 0.9)  # recomputes cleanly
+
+
+def test_outer_step_refuses_outputs_that_alias_its_inputs():
+    spec = (("w", (4,)),)
+    t = PlainFP32()
+    ctx = _ctx(["a"], spec)
+    accepted = t.verify(ctx, {"a": t.encode(ctx, "a", {"w": torch.ones(4)})})
+    params = {"w": torch.zeros(4)}
+    with pytest.raises(ValueError, match="aliases an input"):
+        outer.apply_outer_step(ctx, t, accepted, params, None, 0.7, 0.9, out=(params, {"w": torch.empty(4)}))
 
 
 def test_two_aggregations_are_bitwise_identical():

@@ -53,7 +53,7 @@ def _cycle(transport_name: str) -> tuple[dict, dict[str, int], float]:
     ann = {s: transport.announce(ctx, s, d) for s, d in deltas.items()}
     transport.agree(ctx, ann)
     payloads = {s: transport.encode(ctx, s, d) for s, d in deltas.items()}
-    new_params, _, _ = aggregate_and_step(ctx, transport, payloads, global_state, None, 0.7, 0.9)
+    new_params, _ = aggregate_and_step(ctx, transport, payloads, global_state, None, 0.7, 0.9)
     seconds = time.perf_counter() - t0
     sent = {s: setup[s] + len(ann[s]) + len(payloads[s]) for s in sites}
     return new_params, sent, seconds

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lensemble.errors import ConfigError, IntegrityError, ParticipantDropped
-from lensemble.federation.outer import aggregate_and_step, state_hash
+from lensemble.federation.outer import aggregate_and_step, nesterov_step, state_hash
 from lensemble.federation.quant import (
     block_absmax, dequantize_int8, quantize_int8, quantize_with_scales, roundtrip_bound, scales_from_absmax,
 )
@@ -106,8 +106,10 @@ def test_outer_step_self_check_runs_on_the_secure_transport():
     transport = SecureInt8Transport(block=BLOCK)
     _, _, payloads = _round(transport, ctx)
     params = {name: torch.zeros(shape) for name, shape in SPEC}
-    _, _, mean = aggregate_and_step(ctx, transport, payloads, params, None, lr=0.7, momentum=0.9)
+    new_params, _ = aggregate_and_step(ctx, transport, payloads, params, None, lr=0.7, momentum=0.9)
+    mean = transport.aggregate(ctx, payloads)  # evaluated once more: the same context, not a replay
     assert torch.equal(_flat(mean), _secure_reference(ctx)[0])
+    assert state_hash(new_params) == state_hash(nesterov_step(params, mean, None, 0.7, 0.9)[0])
 
 
 def test_dropout_retry_gives_the_sum_of_the_survivors_only():

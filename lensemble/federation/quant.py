@@ -33,6 +33,7 @@ because 127 · s_b could overflow fp32 near its maximum, and no real pseudo-grad
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 QMAX = 127
@@ -132,6 +133,30 @@ def dequantize_int8(
     if numel == 0:
         return torch.zeros(0, dtype=dtype)
     return _blocks(q_N, block, dtype).mul_(scales_B.to(dtype)[:, None]).reshape(-1)[:numel]
+
+
+def dequantize_range(q_n: np.ndarray, scales_B: np.ndarray, start: int, block: int, out_n: np.ndarray) -> np.ndarray:
+    """x̂[start : start + n] = q · s into `out_n`: [n] integer codes of that slice, [nb] fp32 scales.
+
+    The aggregator's chunked form of `dequantize_int8`: element i of the slice uses the scale of block
+    (start + i) // block, so a slice need not start on a block boundary. Each product is one IEEE
+    multiplication in `out_n`'s dtype (the codes convert exactly), so every element has the same bits
+    as in `dequantize_int8` with that dtype.
+    """
+    n = q_n.shape[0]
+    pos = 0
+    while pos < n:
+        b, offset = divmod(start + pos, block)
+        if offset == 0 and n - pos >= block:  # a run of whole blocks: one broadcast multiply
+            k = (n - pos) // block
+            seg = slice(pos, pos + k * block)
+            np.multiply(q_n[seg].reshape(k, block), scales_B[b : b + k, None], out=out_n[seg].reshape(k, block), dtype=out_n.dtype)
+            pos += k * block
+        else:  # the part of one block that lies in the slice
+            end = min(n, pos + block - offset)
+            np.multiply(q_n[pos:end], scales_B[b], out=out_n[pos:end], dtype=out_n.dtype)
+            pos = end
+    return out_n
 
 
 def roundtrip_bound(scales_B: torch.Tensor, numel: int, block: int, stochastic: bool = False) -> torch.Tensor:

@@ -147,19 +147,23 @@ def mask_codes(q_N: torch.Tensor, mask_N: np.ndarray, ring_bits: int) -> np.ndar
     return y_N
 
 
-def ring_sum(vectors: list[np.ndarray], ring_bits: int) -> np.ndarray:
-    """Σ_c y_c mod 2^k, exact and order independent: C x [N] uint -> [N] uint."""
+def ring_sum(vectors: list[np.ndarray], ring_bits: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Σ_c y_c mod 2^k, exact and order independent: C x [N] uint -> [N] uint (`out`, or a new array)."""
     dtype = ring_dtype(ring_bits)
-    total_N = np.zeros(vectors[0].shape if vectors else 0, dtype=dtype)
-    for y_N in vectors:
+    n = vectors[0].shape[0] if vectors else 0
+    total_N = np.empty(n, dtype=dtype) if out is None else out
+    if len(vectors) < 2:
+        total_N[...] = vectors[0] if vectors else 0
+        return total_N
+    np.add(vectors[0], vectors[1], out=total_N)
+    for y_N in vectors[2:]:
         np.add(total_N, y_N, out=total_N)
     return total_N
 
 
-def from_ring(total_N: np.ndarray, ring_bits: int) -> torch.Tensor:
-    """Read a ring element back as a signed integer sum: [N] uint -> [N] int32.
+def from_ring(total_N: np.ndarray, ring_bits: int) -> np.ndarray:
+    """Read a ring element back as a signed integer sum, in place: [N] uint -> [N] int (a view).
 
     Exact when the true sum lies in [-(2^(k-1) - 1), 2^(k-1) - 1], which `check_ring_capacity` ensures.
     """
-    signed = total_N.view(_SIGNED_DTYPE[ring_bits])
-    return torch.from_numpy(signed.astype(np.int32))
+    return total_N.view(_SIGNED_DTYPE[ring_bits])

@@ -37,6 +37,7 @@ for this, which is not built here.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 from collections.abc import Mapping
@@ -48,9 +49,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from lensemble.errors import ConfigError, IntegrityError
-from lensemble.federation import secagg
+from lensemble.federation import native, secagg
 from lensemble.federation.quant import (
-    DEFAULT_BLOCK, MAX_ABS, block_absmax, dequantize_int8, num_blocks, quantize_int8, quantize_with_scales,
+    DEFAULT_BLOCK, MAX_ABS, block_absmax, dequantize_range, num_blocks, quantize_int8, quantize_with_scales,
     scales_from_absmax,
 )
 from lensemble.federation.signing import (
@@ -58,7 +59,7 @@ from lensemble.federation.signing import (
     raise_if_missing, sign, verify_updates,
 )
 from lensemble.federation.transport import (
-    ParamSpec, RoundContext, Transport, check_delta, flatten, pack_header, spec_hash, spec_numel, unflatten,
+    Accepted, FusedKernel, ParamSpec, RoundContext, Transport, check_delta, flatten, pack_header, spec_hash, spec_numel,
     unpack_header,
 )
 
@@ -185,7 +186,7 @@ class Int8Transport(_SignedTransport):
         body = scales_B.numpy().astype("<f4").tobytes() + q_N.numpy().tobytes()
         return sign(self._signing_key(site), pack_header(header) + body)
 
-    def aggregate(self, ctx: RoundContext, payloads: Mapping[str, bytes]) -> dict[str, torch.Tensor]:
+    def verify(self, ctx: RoundContext, payloads: Mapping[str, bytes]) -> Accepted:
         n = spec_numel(ctx.spec)
         nb = num_blocks(n, self.block)
 
@@ -197,12 +198,17 @@ class Int8Transport(_SignedTransport):
             aggregation_context(ctx, f"int8/{self.block}"),
             check_body=lambda site, body: _read_f32(body[: 4 * nb], site, "scales"),
         )
-        acc_N = torch.zeros(n, dtype=torch.float64)
-        for site in sorted(bodies):  # fixed order: fp64 addition is not associative
-            scales_B = _read_f32(bodies[site][: 4 * nb], site, "scales")
-            q_N = torch.from_numpy(np.frombuffer(bodies[site][4 * nb :], dtype=np.int8).copy())
-            acc_N += dequantize_int8(q_N, scales_B, self.block, torch.float64) * ctx.weight(site)
-        return unflatten(ctx.spec, acc_N.to(torch.float32))
+        scales = {site: _read_f32(body[: 4 * nb], site, "scales").numpy() for site, body in bodies.items()}
+        return Accepted({site: body[4 * nb :] for site, body in bodies.items()}, scales)
+
+    def mean_into(self, ctx: RoundContext, accepted: Accepted, start: int, out_n: np.ndarray) -> None:
+        n = out_n.shape[0]
+        acc_n, x_n = np.zeros(n, dtype=np.float64), np.empty(n, dtype=np.float64)
+        for site in sorted(accepted.bodies):  # fixed order: fp64 addition is not associative
+            q_n = np.frombuffer(accepted.bodies[site], dtype=np.int8)[start : start + n]
+            dequantize_range(q_n, accepted.scales[site], start, self.block, x_n)  # exact in fp64
+            acc_n += x_n * ctx.weight(site)
+        out_n[...] = acc_n
 
 
 @dataclass
@@ -234,6 +240,7 @@ class SecureInt8Transport(_SignedTransport):
         secagg.ring_dtype(ring_bits)  # ConfigError for an unsupported ring
         self.ring_bits = ring_bits
         self._attempt: _Attempt | None = None
+        self._ring_scratch = np.empty(0, dtype=secagg.ring_dtype(ring_bits))
 
     def _current(self, ctx: RoundContext, agreed: bool) -> _Attempt:
         attempt = self._attempt
@@ -299,10 +306,9 @@ class SecureInt8Transport(_SignedTransport):
         )
         return sign(self._signing_key(site), pack_header(header) + y_N.tobytes())
 
-    def aggregate(self, ctx: RoundContext, payloads: Mapping[str, bytes]) -> dict[str, torch.Tensor]:
-        """Verify, sum exactly in Z_{2^k} (masks cancel), read Σ_c q_c, multiply by the shared scales."""
+    def verify(self, ctx: RoundContext, payloads: Mapping[str, bytes]) -> Accepted:
+        """Signatures, bindings to this attempt's session and grid, lengths and replays of every update."""
         attempt = self._current(ctx, agreed=True)
-        n = spec_numel(ctx.spec)
         dtype = secagg.ring_dtype(self.ring_bits)
 
         def expected_header(site: str, header: Mapping) -> dict:
@@ -311,12 +317,50 @@ class SecureInt8Transport(_SignedTransport):
             )
 
         bodies = verify_updates(
-            ctx, payloads, self._registry, expected_header, dtype.itemsize * n, self._guard,
+            ctx, payloads, self._registry, expected_header, dtype.itemsize * spec_numel(ctx.spec), self._guard,
             aggregation_context(ctx, f"secure_int8/{attempt.session}/{attempt.grid}"),
         )
-        total_N = secagg.ring_sum([np.frombuffer(bodies[site], dtype=dtype) for site in sorted(bodies)], self.ring_bits)
-        sum_q_N = secagg.from_ring(total_N, self.ring_bits)
-        # |Σq| < 2^15 for k = 16, so q · s is exact in fp64 and the fp32 product is the same correctly
-        # rounded value, computed at half the memory traffic; a 32-bit ring's sums need fp64.
-        dtype = torch.float32 if self.ring_bits == 16 else torch.float64
-        return unflatten(ctx.spec, dequantize_int8(sum_q_N, attempt.scales_B, self.block, dtype).float())
+        return Accepted(bodies)
+
+    def fused_kernel(self, ctx: RoundContext, accepted: Accepted, lr: float, momentum: float) -> FusedKernel | None:
+        """`native.lens_secure16_step` over this round's bodies (16-bit ring, a C compiler present), else None.
+
+        The kernel self-checks each tile and returns -1, or the offset of a tile whose two evaluations differ.
+        """
+        lib = native.load()
+        if lib is None or self.ring_bits != 16:
+            return None
+        attempt = self._current(ctx, agreed=True)
+        sites = sorted(accepted.bodies)
+        arrays = [np.frombuffer(accepted.bodies[site], dtype=np.uint8) for site in sites]  # kept alive below
+        pointers = (ctypes.c_void_p * len(sites))(*[a.ctypes.data for a in arrays])
+        scales_B = attempt.scales_B.contiguous()
+        fused = int(native.torch_fuses_alpha())
+
+        def kernel(start: int, p_n: torch.Tensor, m_n: torch.Tensor | None, new_p_n: torch.Tensor, new_m_n: torch.Tensor) -> int:
+            _ = arrays
+            return lib.lens_secure16_step(
+                pointers, len(sites), start, p_n.numel(), scales_B.data_ptr(), self.block, p_n.data_ptr(),
+                None if m_n is None else m_n.data_ptr(), momentum, lr, fused, new_p_n.data_ptr(), new_m_n.data_ptr(),
+            )
+
+        return kernel
+
+    def mean_into(self, ctx: RoundContext, accepted: Accepted, start: int, out_n: np.ndarray) -> None:
+        """Sum the slice exactly in Z_{2^k} (masks cancel), read Σ_c q_c, multiply by the shared scales."""
+        attempt = self._current(ctx, agreed=True)
+        n = out_n.shape[0]
+        dtype = secagg.ring_dtype(self.ring_bits)
+        sites = sorted(accepted.bodies)
+        vectors = [np.frombuffer(accepted.bodies[site], dtype=dtype)[start : start + n] for site in sites]
+        if self._ring_scratch.shape[0] < n or self._ring_scratch.dtype != dtype:  # reused: no page faults per chunk
+            self._ring_scratch = np.empty(n, dtype=dtype)
+        total_n = secagg.ring_sum(vectors, self.ring_bits, out=self._ring_scratch[:n])
+        sum_q_n = secagg.from_ring(total_n, self.ring_bits)
+        scales_B = attempt.scales_B.numpy()
+        if self.ring_bits == 16:
+            # |Σq| < 2^15, so q · s is exact in fp64 and the fp32 product is the same correctly rounded
+            # value, computed at half the memory traffic.
+            dequantize_range(sum_q_n, scales_B, start, self.block, out_n)
+        else:  # a 32-bit ring's sums need fp64 before the one rounding to fp32
+            out_n[...] = dequantize_range(sum_q_n, scales_B, start, self.block, np.empty(n, dtype=np.float64))

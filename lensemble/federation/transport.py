@@ -10,7 +10,11 @@ Protocol per round, in this order:
    shared quantization grid needs); `agree(ctx, announcements)` on the aggregator.
 3. `encode(ctx, site, delta)` on every site - the serialized update.
 4. `aggregate(ctx, payloads)` on the aggregator - verify each payload and return Δ̄ (fp32) computed
-   in sorted site order with fp64 or exact integer accumulation.
+   in sorted site order with fp64 or exact integer accumulation. It is `verify(ctx, payloads)` (the
+   checks, once per round: signatures, bindings, lengths, replay) followed by
+   `mean_into(ctx, accepted, start, out)`, which computes any slice Δ̄[start : start + len(out)] on
+   its own with the same bits as the whole vector has there; `outer.aggregate_and_step` uses it to
+   fuse averaging with the outer step chunk by chunk, in cache.
 
 `payload` bytes are exactly what the comms accountant counts.
 """
@@ -20,9 +24,10 @@ import hashlib
 import json
 import struct
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from lensemble.errors import IntegrityError, ParticipantDropped
@@ -129,6 +134,22 @@ def unpack_header(payload: bytes, site: str) -> tuple[dict, memoryview]:
     return header, memoryview(payload)[4 + n :]
 
 
+@dataclass(frozen=True)
+class Accepted:
+    """What the aggregator accepted in one round: each site's verified body, in sorted site order.
+
+    `scales` holds per-site fp32 block scales where a transport sends them (int8); empty otherwise.
+    """
+
+    bodies: dict[str, memoryview]
+    scales: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+FusedKernel = Callable[[int, torch.Tensor, "torch.Tensor | None", torch.Tensor, torch.Tensor], int]
+"""(start, p_n, m_n or None, new_p_n, new_m_n) -> -1 or the offset of a slice whose two evaluations
+differ: the self-checked outer step on Δ̄[start : start + n], see outer.py."""
+
+
 class Transport(ABC):
     """How Δ_c travels; see the module docstring for the call order."""
 
@@ -150,8 +171,23 @@ class Transport(ABC):
         """Serialize (and protect) one site's Δ_c."""
 
     @abstractmethod
+    def verify(self, ctx: RoundContext, payloads: Mapping[str, bytes]) -> Accepted:
+        """Check a whole round's payloads (IntegrityError, ParticipantDropped) and keep their bodies."""
+
+    @abstractmethod
+    def mean_into(self, ctx: RoundContext, accepted: Accepted, start: int, out_n: np.ndarray) -> None:
+        """Δ̄[start : start + n] = Σ_c w_c Δ_c over that slice, into the fp32 array `out_n` of length n."""
+
+    def fused_kernel(self, ctx: RoundContext, accepted: Accepted, lr: float, momentum: float) -> FusedKernel | None:
+        """A native one-pass average + outer step over slices, if this transport has one (none by default)."""
+        return None
+
     def aggregate(self, ctx: RoundContext, payloads: Mapping[str, bytes]) -> dict[str, torch.Tensor]:
         """Verify every payload and return Δ̄ = Σ_c w_c Δ_c (fp32), deterministically."""
+        accepted = self.verify(ctx, payloads)
+        out_N = torch.empty(spec_numel(ctx.spec), dtype=torch.float32)
+        self.mean_into(ctx, accepted, 0, out_N.numpy())
+        return unflatten(ctx.spec, out_N)
 
 
 class PlainFP32(Transport):
@@ -165,7 +201,7 @@ class PlainFP32(Transport):
         body = flatten(ctx.spec, delta).numpy().astype("<f4").tobytes()
         return pack_header(header) + body
 
-    def aggregate(self, ctx: RoundContext, payloads: Mapping[str, bytes]) -> dict[str, torch.Tensor]:
+    def verify(self, ctx: RoundContext, payloads: Mapping[str, bytes]) -> Accepted:
         numel = spec_numel(ctx.spec)
         unknown = sorted(set(payloads) - set(ctx.site_ids))
         if unknown:
@@ -173,7 +209,7 @@ class PlainFP32(Transport):
         missing = sorted(set(ctx.site_ids) - set(payloads))
         if missing:
             raise ParticipantDropped(f"round {ctx.round_idx}: no update from {missing}; rerun the round with the surviving sites")
-        acc = torch.zeros(numel, dtype=torch.float64)
+        bodies = {}
         for site in sorted(payloads):
             header, body = unpack_header(payloads[site], site)
             expected = {"run": ctx.run_id, "round": ctx.round_idx, "site": site, "spec": spec_hash(ctx.spec)}
@@ -181,8 +217,15 @@ class PlainFP32(Transport):
                 raise IntegrityError(f"update from {site!r} is bound to {header}, expected {expected}")
             if len(body) != 4 * numel:
                 raise IntegrityError(f"update from {site!r} has {len(body)} body bytes, expected {4 * numel}")
-            vec = torch.frombuffer(bytearray(body), dtype=torch.float32)
-            if not torch.isfinite(vec).all():
+            if not np.isfinite(np.frombuffer(body, dtype="<f4")).all():
                 raise IntegrityError(f"update from {site!r} holds NaN or Inf")
-            acc += vec.to(torch.float64) * ctx.weight(site)
-        return unflatten(ctx.spec, acc.to(torch.float32))
+            bodies[site] = body
+        return Accepted(bodies)
+
+    def mean_into(self, ctx: RoundContext, accepted: Accepted, start: int, out_n: np.ndarray) -> None:
+        stop = start + out_n.shape[0]
+        acc_n = np.zeros(out_n.shape[0], dtype=np.float64)
+        for site in sorted(accepted.bodies):  # fixed order: fp64 addition is not associative
+            x_n = np.frombuffer(accepted.bodies[site], dtype="<f4")[start:stop]
+            acc_n += x_n.astype(np.float64) * ctx.weight(site)
+        out_n[...] = acc_n  # one fp64 -> fp32 rounding per element
