@@ -18,6 +18,7 @@ def centralized_flow(root: str = ".") -> None:
             ctx.metric("loss/pred", p, step=i)
             ctx.metric("loss/sigreg", s, step=i)
         ctx.measured["perf/steps_per_second"] = result["steps"] / result["seconds"]
+        ctx.measured.update(result["latency"])  # encoder / predictor latency, objective share, peak memory
         ctx.out.write_json("reports/centralized.json", {**result["mean"], "seconds": result["seconds"], "steps": result["steps"],
-                                                        "steps_per_second": result["steps"] / result["seconds"]})
+                                                        "steps_per_second": result["steps"] / result["seconds"], "latency": result["latency"]})
         ctx.out.write_json("reports/plots/centralized_loss.json", [{"step": i, "pred": p, "sigreg": s} for i, (p, s) in enumerate(zip(result["losses"]["pred"], result["losses"]["sigreg"]))])

@@ -24,6 +24,7 @@ from lensemble.federation.checkpoint import (
     FederationCheckpoint, capture_rng, commit_site_state, load_checkpoint, prune_site_states, restore_rng, restore_sites, save_checkpoint,
 )
 from lensemble.federation.outer import state_hash
+from lensemble.latency import peak_memory_gib
 from lensemble.federation.transport import RoundContext, Transport, param_spec, spec_numel
 from lensemble.federation.transports import make_transport
 from lensemble.gauge import pool_tokens
@@ -143,9 +144,11 @@ def federate_flow(root: str = ".") -> None:
             global_state, momentum = res["params"], res["momentum"]
             for s in sites:
                 delta_paths[s].unlink(missing_ok=True)
+            t_gauge = time.perf_counter()
             load_federated(model, global_state)
             members = list(res["ctx"].site_ids)
             gauge = gauge_round(p.run.seed, r, {s: trained[s]["probe_embedding"] for s in members}, pool_tokens(encode_frames(model, probe)), p.gauge.pair_samples)
+            gauge_seconds = time.perf_counter() - t_gauge
             round_seconds = time.perf_counter() - t_round
             per_site = {}
             for s in members:
@@ -161,7 +164,8 @@ def federate_flow(root: str = ".") -> None:
             ctx.metric("gauge/participation_ratio", gauge["effective_dim"]["participation_ratio"], step=r, round_idx=r)
             ctx.metric("fed/round_seconds", round_seconds, step=r, round_idx=r)
             ctx.metric("fed/outer_step_seconds", res["outer_seconds"], step=r, round_idx=r)
-            rounds.append({"round": r, "seconds": round_seconds, "outer_step_seconds": res["outer_seconds"], "sites": per_site, "gauge": gauge,
+            rounds.append({"round": r, "seconds": round_seconds, "outer_step_seconds": res["outer_seconds"], "gauge_seconds": gauge_seconds,
+                           "sites": per_site, "gauge": gauge,
                            "dropped": {**train_failed, **res["dropped"]},
                            "bytes_per_param": sum(v["comm_bytes"] for v in per_site.values()) / (len(members) * numel)})
             for s in members:
@@ -199,5 +203,11 @@ def federate_flow(root: str = ".") -> None:
         ctx.measured["fed/round_seconds"] = summary["round_seconds_mean"]
         ctx.measured["fed/outer_step_seconds"] = sum(r["outer_step_seconds"] for r in rounds) / len(rounds)
         ctx.measured["gauge/effective_dim_fraction"] = rounds[-1]["gauge"]["effective_dim"]["rankme"] / model.latent_dim
+        # chapter §4-§5: run total and its reduction against step-synchronous training; gauge cost per round
+        ctx.measured["perf/comm_bytes_total"] = float(total_bytes)  # fed/comm_bytes is the per-(round, site) series
+        ctx.measured["perf/comm_reduction_vs_synchronous"] = summary["step_synchronous_bytes"] / total_bytes
+        ctx.measured["perf/gauge_seconds"] = sum(r.get("gauge_seconds", 0.0) for r in rounds) / len(rounds)
+        ctx.measured["perf/gauge_round_fraction"] = ctx.measured["perf/gauge_seconds"] / summary["round_seconds_mean"]
+        ctx.measured["perf/peak_memory_gib"] = peak_memory_gib()
         ctx.out.write_json("reports/federate.json", summary)
         remove_checkpoint(ckpt_path, ckpt_root / "sites", sites)

@@ -85,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
             from tasks.compare import collect, format_table, plot
 
             rows = collect(root)
-            print(format_table(rows))
+            print(format_table(rows), flush=True)
             plot(rows, root / args.plot)
+            print(f"plot: {args.plot}")
         elif args.cmd == "server":
             home = Path(os.environ["PREFECT_HOME"])
             if args.action == "stop":

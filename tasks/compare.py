@@ -2,20 +2,15 @@
 
 One `search_runs` query over the stage runs; per (budget, stage, hardware class): run count, min,
 median, max of the measured metric, the band and how many runs fell within it. Prints a table and
-writes a plot (one panel per budget, a column of points per hardware class, the band shaded).
+writes a plot (every value as its position within its band, per budget and hardware class).
 """
 from __future__ import annotations
 
 import statistics
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from lensemble.budgets import load_budgets  # noqa: E402
-from tasks.tracking import Tracker  # noqa: E402
+from lensemble.budgets import load_budgets
+from tasks.tracking import Tracker
 
 
 def collect(root: Path, max_runs: int = 10000) -> list[dict]:
@@ -52,18 +47,43 @@ def format_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """One panel per budget: measured values per hardware class, band shaded."""
-    names = sorted({(r["budget"], r["stage"]) for r in rows})
-    fig, axes = plt.subplots(len(names), 1, figsize=(6, 1.8 * max(len(names), 1)), squeeze=False)
-    for ax, (name, stage) in zip(axes[:, 0], names):
-        mine = [r for r in rows if r["budget"] == name and r["stage"] == stage]
-        for i, r in enumerate(mine):
-            ax.scatter([i] * r["runs"], r["values"], s=10)
-            if r["band"]:
-                ax.fill_between([i - 0.3, i + 0.3], *r["band"], alpha=0.15, color="green")
-        ax.set_xticks(range(len(mine)), [r["hardware_class"] for r in mine])
-        ax.set_title(f"{name} ({stage})", fontsize=8)
-    fig.tight_layout()
+    """Every measured value as its position in its band, one column per (budget, stage), colored by hardware class.
+
+    y = (value - low) / (high - low): the shaded strip 0..1 is "within"; values beyond the axis
+    limits are drawn at the edge as triangles. Budgets with no band for a class are drawn at the
+    bottom edge in grey. One axes: the plot stays readable and fast however many budgets there are.
+    """
+    import matplotlib  # imported here: the table is printed before matplotlib's start-up
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = sorted({(r["budget"], r["stage"]) for r in rows})
+    classes = sorted({r["hardware_class"] for r in rows})
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    lo_lim, hi_lim = -1.0, 3.0
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(columns)), 4.0))
+    ax.axhspan(0.0, 1.0, color="green", alpha=0.12, label="within band")
+    for r in rows:
+        x = columns.index((r["budget"], r["stage"])) + (classes.index(r["hardware_class"]) - (len(classes) - 1) / 2) * 0.2
+        if r["band"] is None:
+            ax.scatter([x] * r["runs"], [lo_lim] * r["runs"], s=12, color="grey", marker="x")
+            continue
+        low, high = r["band"]
+        y = [(v - low) / (high - low) if high > low else (0.5 if v == low else (hi_lim if v > low else lo_lim)) for v in r["values"]]
+        inside = [min(max(v, lo_lim), hi_lim) for v in y]
+        clipped = [v != c for v, c in zip(y, inside)]
+        color = colors[classes.index(r["hardware_class"]) % len(colors)]
+        ax.scatter([x for x, c in zip([x] * len(y), clipped) if not c], [v for v, c in zip(inside, clipped) if not c], s=12, color=color)
+        ax.scatter([x for x, c in zip([x] * len(y), clipped) if c], [v for v, c in zip(inside, clipped) if c], s=24, color=color, marker="^")
+    for i, hw in enumerate(classes):
+        ax.scatter([], [], s=12, color=colors[i % len(colors)], label=hw)
+    ax.set_xticks(range(len(columns)), [f"{name}\n({stage})" for name, stage in columns], rotation=60, ha="right", fontsize=7)
+    ax.set_ylim(lo_lim - 0.1, hi_lim + 0.1)
+    ax.set_ylabel("(value - low) / (high - low)")
+    ax.set_title("budgets by hardware class: measured values against their bands", fontsize=9)
+    ax.legend(fontsize=7, loc="upper right")
+    fig.subplots_adjust(bottom=0.35)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)

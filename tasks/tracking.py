@@ -5,15 +5,15 @@ else an SQLite file `mlflow.db` at the project root, with artifacts beside it in
 The parent run is found by the `lensemble.pipeline_key` tag - the params hash and the git commit -
 so every stage of one configuration lands under one parent, whichever stages DVC reruns;
 `LENSEMBLE_PIPELINE_RUN` (set by `flows/pipeline.py`) pins it explicitly.
+
+MLflow is imported when a `Tracker` is made, not with this module: importing it and opening the SQL
+store take about 3 s of CPU, which the stage runner spends on a background thread (see runner.py).
 """
 from __future__ import annotations
 
 import os
 import time
 from pathlib import Path
-
-from mlflow.entities import Metric, RunStatus
-from mlflow.tracking import MlflowClient
 
 EXPERIMENT = "lensemble"
 
@@ -33,6 +33,8 @@ class Tracker:
     """A thin client bound to the lensemble experiment."""
 
     def __init__(self, root: Path) -> None:
+        from mlflow.tracking import MlflowClient
+
         t0 = time.perf_counter()
         uri = tracking_uri(root)
         self.client = MlflowClient(tracking_uri=uri)
@@ -48,6 +50,8 @@ class Tracker:
         found = self.client.search_runs([self.experiment_id], filter_string=f"tags.`lensemble.pipeline_key` = '{pipeline_key}'", max_results=1)
         if found:
             return found[0].info.run_id
+        from mlflow.entities import RunStatus
+
         run = self.client.create_run(self.experiment_id, run_name=f"pipeline-{pipeline_key[:8]}", tags={**tags, "lensemble.pipeline_key": pipeline_key, "lensemble.kind": "pipeline"})
         self.client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.FINISHED))
         return run.info.run_id
@@ -59,7 +63,7 @@ class Tracker:
 
     def log(self, run_id: str, params: dict[str, str], metrics: list[tuple[str, float, int, float]], tags: dict[str, str]) -> None:
         """Params, metrics (name, value, step, timestamp) and tags in batches."""
-        from mlflow.entities import Param, RunTag
+        from mlflow.entities import Metric, Param, RunTag
 
         param_list = [Param(k, str(v)[:6000]) for k, v in params.items()]
         for i in range(0, len(param_list), 100):
@@ -74,6 +78,8 @@ class Tracker:
 
     def finish(self, run_id: str, ok: bool, reason: str = "") -> None:
         """End the stage run: FINISHED, or FAILED with the reason as a tag."""
+        from mlflow.entities import RunStatus
+
         if not ok:
             self.client.set_tag(run_id, "lensemble.failure_reason", reason[:5000])
         self.client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED))

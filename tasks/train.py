@@ -8,6 +8,7 @@ import torch
 from prefect import task
 from prefect.cache_policies import NONE
 
+from lensemble.latency import component_latency
 from lensemble.config import Params
 from lensemble.data.audit import PrivateIndex, index_path, load_index
 from lensemble.data.residency import ResidencyGuard
@@ -32,7 +33,9 @@ def train_centralized(params: Params, layout: Layout, model_path: Path) -> dict:
                       run_seed=params.run.seed, round_idx=-1, data_key="pooled")
     seconds = time.perf_counter() - t0
     torch.save(model.state_dict(), model_path)
-    return {"losses": {"pred": log.pred, "sigreg": log.sigreg}, "mean": log.mean(), "seconds": seconds, "steps": params.centralized.steps}
+    latency = component_latency(model, params, seconds / params.centralized.steps)
+    return {"losses": {"pred": log.pred, "sigreg": log.sigreg}, "mean": log.mean(), "seconds": seconds, "steps": params.centralized.steps,
+            "latency": latency}
 
 
 @task(name="train-local-only", cache_policy=NONE)

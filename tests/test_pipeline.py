@@ -9,7 +9,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from lensemble.errors import DataError
+from lensemble.errors import ConfigError, DataError
 from tests.conftest import make_project, micro_params
 
 pytestmark = pytest.mark.e2e
@@ -58,6 +58,11 @@ def test_pipeline_end_to_end(prefect_server, project):
         assert r.info.status == "FINISHED"
         assert {"lensemble.hardware_class", "lensemble.git_commit", "lensemble.params_hash"} <= set(r.data.tags)
         assert any(a.path.endswith(".json") for a in client.list_artifacts(r.info.run_id))
+        assert {"perf/tracking_seconds", "perf/tracking_background_seconds", "perf/stage_seconds"} <= set(r.data.metrics)
+    by_stage = {r.data.tags["lensemble.stage"]: r.data.metrics for r in children}
+    assert {"perf/encoder_forward_ms", "perf/predictor_step_fraction", "perf/objective_fraction", "perf/peak_memory_gib"} <= set(by_stage["centralized"])
+    assert {"perf/comm_bytes_total", "perf/comm_reduction_vs_synchronous", "perf/gauge_round_fraction"} <= set(by_stage["federate"])
+    assert by_stage["federate"]["perf/comm_bytes_total"] == fed["comm_bytes_total"]
 
 
 def test_two_federations_with_one_seed_are_bitwise_identical(prefect_server, project, tmp_path, monkeypatch):
@@ -90,6 +95,19 @@ def test_corrupt_site_data_fails_cleanly_and_marks_the_run_failed(prefect_server
     failed = [r for r in runs if r.data.tags.get("lensemble.stage") == "centralized"]
     assert failed and failed[0].info.status == "FAILED"
     assert "site_b/episodes.parquet" in failed[0].data.tags["lensemble.failure_reason"]
+
+
+def test_a_tracking_store_that_cannot_open_fails_the_stage_and_commits_nothing(prefect_server, project, monkeypatch):
+    # MLflow opens on a background thread while the stage body runs; its failure must still fail the stage.
+    from flows.prepare import prepare_flow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{project / 'params.yaml' / 'mlflow.db'}")  # under a file
+    with pytest.raises(ConfigError, match="MLflow tracking store .*params.yaml/mlflow.db cannot be opened"):
+        prepare_flow(root=str(project))
+    assert not (project / "reports" / "prepare.json").exists()
+    assert not (project / "reports" / "manifests" / "prepare.json").exists()
+    assert not (project / "data").exists() or not any((project / "data").rglob("*.parquet"))
+    assert not any((project / ".staging").glob("*")) if (project / ".staging").exists() else True
 
 
 @pytest.mark.parametrize(

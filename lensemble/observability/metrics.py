@@ -16,9 +16,9 @@ CANONICAL = re.compile(r"^(loss/(pred|sigreg|anchor)|gauge/(drift_angle_deg|drif
 class MetricsSink:
     """Appends canonical scalar metrics to a JSONL file and keeps them for mirroring."""
 
-    def __init__(self, path: Path, run_id: str, stage: str) -> None:
+    def __init__(self, path: Path, run_id: str | None, stage: str) -> None:
         self.path = Path(path)
-        self.run_id = run_id
+        self.run_id = run_id  # may be set later: the stage runner opens its MLflow run in the background
         self.stage = stage
         self.records: list[dict] = []
 
@@ -29,7 +29,7 @@ class MetricsSink:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"metric {name} must be a scalar number, got {type(value).__name__}")
         self.records.append(
-            {"run_id": self.run_id, "stage": self.stage, "round": round_idx, "participant": participant,
+            {"stage": self.stage, "round": round_idx, "participant": participant,
              "name": name, "value": float(value), "step": int(step), "timestamp": time.time()}
         )
 
@@ -38,7 +38,7 @@ class MetricsSink:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as f:
             for rec in self.records:
-                f.write(json.dumps(rec, sort_keys=True) + "\n")
+                f.write(json.dumps({"run_id": self.run_id, **rec}, sort_keys=True) + "\n")
 
 
 def read_metrics(path: Path, stage: str | None = None) -> list[dict]:
