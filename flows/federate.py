@@ -177,7 +177,9 @@ def federate_flow(root: str = ".") -> None:
         head_adapt = {}
         if p.federate.head_adapt_steps:
             head_adapt = dict(zip(sites, site_adapt_head.map(unmapped(p), unmapped(ctx.layout), sites, unmapped(global_state), [state_paths[s] for s in sites]).result()))
-        local_only = dict(zip(sites, train_local_only.map(unmapped(p), unmapped(ctx.layout), sites, [ctx.out.path(f"models/local/{s}.pt") for s in sites]).result()))
+        local_only = {}
+        if p.federate.local_only:
+            local_only = dict(zip(sites, train_local_only.map(unmapped(p), unmapped(ctx.layout), sites, [ctx.out.path(f"models/local/{s}.pt") for s in sites]).result()))
         inner_total = p.federate.rounds * p.federate.inner_steps
         site_rounds = sum(len(r["sites"]) for r in rounds)
         summary = {

@@ -5,6 +5,7 @@
     lensemble check-params     validate params.yaml and print its hash
     lensemble server url|stop  the project's Prefect server (started by the first stage that runs)
     lensemble budgets compare  measured budget values by hardware class and stage, from MLflow
+    lensemble ablate           the (H, anchor weight) grid as a Prefect map: drift, success vs bytes
     lensemble bench [NAME ...] the benchmark suite, each figure beside its physical limit
     lensemble profile [CONFIG] torch profiler trace and span table of a training step
 
@@ -18,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from lensemble.errors import LensembleError
+from lensemble.errors import ConfigError, LensembleError
 
 STAGES = ("prepare", "residency", "centralized", "federate", "gauge", "evaluate", "report")
 
@@ -60,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     budgets = sub.add_parser("budgets", help="budget reports across runs")
     budgets.add_argument("action", choices=("compare",))
     budgets.add_argument("--plot", default="reports/plots/budgets_compare.png", help="where to write the plot")
+    ablate = sub.add_parser("ablate", help="the (H, anchor weight) ablation grid as a Prefect map")
+    ablate.add_argument("--inner-steps", default="25,100", help="comma-separated H values, each dividing rounds x H of params.yaml")
+    ablate.add_argument("--anchor-weight", default="0,0.1", help="comma-separated anchor weights")
+    ablate.add_argument("--parallel", type=int, default=1, help="grid points run at once")
     server = sub.add_parser("server", help="the project-local Prefect server")
     server.add_argument("action", choices=("url", "stop"))
     args = parser.parse_args(argv)
@@ -88,6 +93,30 @@ def main(argv: list[str] | None = None) -> int:
             print(format_table(rows), flush=True)
             plot(rows, root / args.plot)
             print(f"plot: {args.plot}")
+        elif args.cmd == "ablate":
+            from prefect.task_runners import ThreadPoolTaskRunner
+
+            from flows.ablation import ablation_flow
+
+            try:
+                inner = tuple(int(v) for v in args.inner_steps.split(","))
+                anchors = tuple(float(v) for v in args.anchor_weight.split(","))
+            except ValueError:
+                raise ConfigError(f"--inner-steps takes integers and --anchor-weight numbers, comma-separated; got {args.inner_steps!r}, {args.anchor_weight!r}") from None
+            if args.parallel < 1:
+                raise ConfigError(f"--parallel must be >= 1, got {args.parallel}")
+            import yaml
+
+            from lensemble.config import load_params
+            from tasks.ablation import grid, point_params, require_inputs
+
+            raw = yaml.safe_load((root / "params.yaml").read_text()) if (root / "params.yaml").is_file() else None
+            for point in grid(load_params(root / "params.yaml"), list(inner), list(anchors)):
+                point_params(raw, point)
+            require_inputs(root)  # all before any server, run or folder is started
+            ensure_server(Path(os.environ["PREFECT_HOME"]))
+            ablation_flow.with_options(task_runner=ThreadPoolTaskRunner(max_workers=args.parallel))(
+                root=str(root), inner_steps=inner, anchor_weights=anchors)
         elif args.cmd == "server":
             home = Path(os.environ["PREFECT_HOME"])
             if args.action == "stop":

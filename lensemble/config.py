@@ -113,6 +113,7 @@ class FederateParams(Section):
     transport: Literal["fp32", "int8", "secure_int8"] = Field("secure_int8", description="Wire encoding.")
     quant_block: int = Field(4096, ge=16, le=1 << 24, description="int8 quantization block (one absmax scale per block).")
     head_adapt_steps: int = Field(50, ge=0, description="Head-only steps each site takes on the final global model (local; 0 = none).")
+    local_only: bool = Field(True, description="Also train each site alone for rounds x H steps: the no-federation baseline evaluate compares against.")
     drop_policy: Literal["continue", "abort"] = Field("continue", description="A site that fails or drops: finish the round with the survivors, or abort.")
 
 

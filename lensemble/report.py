@@ -39,6 +39,26 @@ def plot_series(xs: list, series: dict[str, list], title: str, ylabel: str, path
     plt.close(fig)
 
 
+def plot_ablation(points: list[dict], drift_path: Path, success_path: Path) -> None:
+    """Frame drift and closed-loop success of each (H, λ_anc) point against the bytes its federation moved."""
+    for path, key, ylabel, title in (
+        (drift_path, "drift_angle_deg_final", "final-round drift angle (deg)", "Frame drift vs communication"),
+        (success_path, "mean_success", "federated success rate (mean over sites)", "Closed-loop success vs communication"),
+    ):
+        fig, ax = plt.subplots(figsize=(5.5, 3.6))
+        for anchor in sorted({p["anchor_weight"] for p in points}):
+            mine = sorted((p for p in points if p["anchor_weight"] == anchor), key=lambda p: p["comm_bytes"])
+            ax.plot([p["comm_bytes"] for p in mine], [p[key] for p in mine], marker="o", label=f"λ_anc = {anchor:g}")
+            for p in mine:
+                ax.annotate(f"H={p['inner_steps']}", (p["comm_bytes"], p[key]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set(title=title, xlabel="bytes on the wire per run", ylabel=ylabel, xscale="log")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+
 def render_markdown(figures: dict, budgets: list[dict], hw_class: str, hardware: str) -> str:
     """The report text."""
     c, f, g, e = figures["centralized"], figures["federate"], figures["gauge"], figures["eval"]
@@ -63,7 +83,7 @@ def render_markdown(figures: dict, budgets: list[dict], hw_class: str, hardware:
         "| site | embodiment | centralized (pooled) | federated | local-only | random | plan s |", "|---|---|---|---|---|---|---|",
     ]
     for site, r in e["sites"].items():
-        cell = lambda m: f"{r[m]['success_rate']:.2f} [{r[m]['ci_low']:.2f}, {r[m]['ci_high']:.2f}]"  # noqa: E731
+        cell = lambda m: f"{r[m]['success_rate']:.2f} [{r[m]['ci_low']:.2f}, {r[m]['ci_high']:.2f}]" if m in r else "not trained"  # noqa: E731
         lines.append(f"| {site} | {r['embodiment']} | {cell('centralized')} | {cell('federated')} | {cell('local_only')} | {cell('random')} | {r['federated']['plan_seconds']:.3f} |")
     lines += ["", "Communication each needed: federated "
               f"{f['comm_bytes_total']:,} bytes on the wire; pooling the raw data centrally {f['pooling_bytes']:,} bytes; "

@@ -64,20 +64,39 @@ def gauge_final(params: Params, layout: Layout) -> dict:
     }
 
 
-@task(name="evaluate-site", cache_policy=NONE)
-def evaluate_site(params: Params, layout: Layout, site: str) -> dict:
-    """Closed-loop success of Stage A, Stage B, the local-only baseline and random actions on one site's embodiment."""
+MODEL_LOADERS = {
+    "centralized": lambda params, layout, site: load_centralized(params, layout),
+    "federated": load_federated_for_site,
+    "local_only": load_local_only,
+    "random": lambda params, layout, site: None,
+}
+
+
+def evaluate_models(params: Params, layout: Layout, site: str, names: tuple[str, ...]) -> dict:
+    """Closed-loop success of the named models (keys of MODEL_LOADERS) on `site`'s embodiment, same goals for all."""
     torch.set_num_threads(params.run.torch_threads)
     embodiment = site_embodiment(params, site)
+    models = {name: MODEL_LOADERS[name](params, layout, site) for name in names}  # DataError before any episode
     env = make_embodiment(embodiment, params.data.image_size)
     c = params.evaluate.cem
     cfg = CEMConfig(c.samples, c.elites, c.iterations, c.horizon)
     seeds = eval_seeds(params, embodiment)
-    models = {"centralized": load_centralized(params, layout), "federated": load_federated_for_site(params, layout, site),
-              "local_only": load_local_only(params, layout, site), "random": None}
     out = {}
-    for name, model in models.items():
-        gen = generator(params.run.seed, f"cem/{name}", participant=site)
-        out[name] = evaluate(env, seeds, params.evaluate.max_steps, model, cfg, gen, c.execute_steps)
-    env.close()
+    try:
+        for name, model in models.items():
+            gen = generator(params.run.seed, f"cem/{name}", participant=site)
+            out[name] = evaluate(env, seeds, params.evaluate.max_steps, model, cfg, gen, c.execute_steps)
+    finally:
+        env.close()
     return {"embodiment": embodiment, **out}
+
+
+@task(name="evaluate-site", cache_policy=NONE)
+def evaluate_site(params: Params, layout: Layout, site: str) -> dict:
+    """Closed-loop success of Stage A, Stage B, the local-only baseline (if trained) and random actions on one site's embodiment."""
+    return evaluate_models(params, layout, site, evaluated_models(params))
+
+
+def evaluated_models(params: Params) -> tuple[str, ...]:
+    """The models the evaluate stage compares: the local-only baseline only when federate trained it."""
+    return ("centralized", "federated", "local_only", "random") if params.federate.local_only else ("centralized", "federated", "random")

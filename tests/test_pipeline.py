@@ -130,6 +130,23 @@ def test_cli_params_errors_are_one_line_and_write_nothing(tmp_path, edit, messag
     assert sorted(p.name for p in root.iterdir()) == ["budgets.yaml", "params.yaml", "pricing.yaml"]
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--inner-steps", "4"], "ablation inner steps 4 must be a positive divisor of the run's 6 total inner steps"),
+        (["--anchor-weight", "x"], "--inner-steps takes integers and --anchor-weight numbers"),
+        (["--inner-steps", "3,6"], "the ablation needs"),  # no prepare/centralized outputs yet
+    ],
+)
+def test_cli_ablation_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message):
+    root = make_project(tmp_path / "abl", micro_params())
+    proc = subprocess.run([sys.executable, "-m", "lensemble.cli", "--root", str(root), "ablate", *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lensemble: error: ") and message in lines[0], proc.stderr
+    assert sorted(p.name for p in root.iterdir()) == ["budgets.yaml", "params.yaml", "pricing.yaml"]
+
+
 def test_cli_unknown_stage_is_rejected(tmp_path):
     root = make_project(tmp_path / "p", micro_params())
     proc = subprocess.run([sys.executable, "-m", "lensemble.cli", "--root", str(root), "run", "nonsense"], capture_output=True, text=True, timeout=60)
