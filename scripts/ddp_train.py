@@ -2,7 +2,8 @@
 
     torchrun --standalone --nproc_per_node=2 scripts/ddp_train.py --root PROJECT --site SITE --steps N --out state.pt
 
-Reads the site's episodes and params from the project at --root; starts from --state (a
+Refuses to start (exit 7, one line) when the run's pre-flight estimate exceeds a ceiling in
+params.yaml, as every training stage does. Reads the site's episodes and params from the project at --root; starts from --state (a
 {"model", "optimizer"} file as tasks.train.site_train writes it) if given, then loads --global (the
 round's federated parameters) if given; trains with `lensemble.distributed.ddp_train_steps`, the
 anchor target being the public probe embedded by the encoder at the start (as the coordinator
@@ -25,6 +26,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file by torchrun, from any cwd
 
 from lensemble.config import load_params  # noqa: E402
+from lensemble.errors import LensembleError  # noqa: E402
+from lensemble.observability.hardware import hardware_class  # noqa: E402
+from tasks.preflight import preflight  # noqa: E402
 from lensemble.distributed import ddp_train_steps, full_state, load_optimizer_state, shard_fsdp  # noqa: E402
 from lensemble.federation.checkpoint import atomic_write  # noqa: E402
 from lensemble.model.world_model import load_federated  # noqa: E402
@@ -50,8 +54,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    params = load_params(args.root / "params.yaml")
-    layout = Layout(args.root)
+    try:
+        params = load_params(args.root / "params.yaml")
+        layout = Layout(args.root)
+        # the pre-flight every training launch passes: BudgetExceeded before any process group or step
+        preflight.fn(params, layout, "federate", hardware_class(params.run.hardware_class))
+    except LensembleError as exc:
+        print(f"ddp_train: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     dist.init_process_group("gloo")  # the inner loop runs on CPU tensors (as train_steps does); NCCL needs a device placement first
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(args.threads or max(1, params.run.torch_threads // world))

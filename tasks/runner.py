@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 import traceback
 import uuid
@@ -126,8 +127,22 @@ class _OpenRun:
     cpu_seconds: float  # CPU time of the opening thread: an upper bound on what it took from the stage
 
 
+def lowest_priority() -> None:
+    """Nice this thread to 19 (Linux schedules threads individually): it runs on idle CPU only.
+
+    A stage's torch ops keep every core busy; an opening at normal priority took a core from them
+    and slowed a 2-thread training loop by more than its own CPU time (benchmarks/tracking_interference.py).
+    Niced, it uses idle time and otherwise finishes while the stage records, where it is counted.
+    """
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not permitted: run at normal priority
+        pass
+
+
 def _open_run(root: Path, pipeline_key: str, tags: dict[str, str], stage: str) -> _OpenRun:
     """Import MLflow, open the store, find or create the parent run and create the stage run."""
+    lowest_priority()
     t0, cpu0 = time.perf_counter(), time.thread_time()
     try:
         tracker = Tracker(root)

@@ -134,3 +134,18 @@ def test_shard_rows_partition_the_global_batch_in_rank_order():
     assert torch.equal(torch.cat([shard_rows(x, r, 3) for r in range(3)]), x)
     with pytest.raises(ConfigError, match=r"train.batch_size \(6\).*world size \(4\)"):
         shard_rows(x, 0, 4)
+
+
+def test_ddp_launch_is_refused_by_the_preflight_ceiling_before_any_process_group(tmp_path):
+    from tests.conftest import make_project, micro_params
+
+    params = micro_params()
+    params["preflight"]["max_accelerator_hours"] = 1e-12
+    root = make_project(tmp_path / "over", params)
+    script = Path(__file__).resolve().parents[1] / "scripts" / "ddp_train.py"
+    proc = subprocess.run([sys.executable, str(script), "--root", str(root), "--site", "site_a", "--out", str(tmp_path / "s.pt")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 7, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ddp_train: error: ") and "max_accelerator_hours" in lines[0], proc.stderr
+    assert not (tmp_path / "s.pt").exists()
