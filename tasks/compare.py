@@ -21,13 +21,14 @@ def collect(root: Path, max_runs: int = 10000) -> list[dict]:
     runs = tracker.client.search_runs([tracker.experiment_id], filter_string="tags.`lensemble.kind` = 'stage'", max_results=max_runs)
     values: dict[tuple[str, str, str], list[float]] = {}
     times: dict[tuple[str, str, str], list[float]] = {}
+    measured = sorted({(b.name, b.stage, b.metric) for b in budgets})  # one per budget, whatever its classes
     for run in runs:
         stage = run.data.tags.get("lensemble.stage")
         hw = run.data.tags.get("lensemble.hardware_class", "unknown")
-        for b in budgets:
-            if b.stage == stage and b.metric in run.data.metrics:
-                values.setdefault((b.name, stage, hw), []).append(run.data.metrics[b.metric])
-                times.setdefault((b.name, stage, hw), []).append(run.info.start_time / 1000)
+        for name, b_stage, metric in measured:
+            if b_stage == stage and metric in run.data.metrics:
+                values.setdefault((name, stage, hw), []).append(run.data.metrics[metric])
+                times.setdefault((name, stage, hw), []).append(run.info.start_time / 1000)
     rows = []
     for (name, stage, hw), vals in sorted(values.items()):
         band = next((b for b in budgets if b.name == name and b.stage == stage and b.hardware_class == hw), None)

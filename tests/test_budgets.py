@@ -60,3 +60,35 @@ def test_preflight_estimate_closed_form_and_ceilings():
         enforce(est, tight, "federate")
     with pytest.raises(ConfigError, match="no entry for hardware class 'gpu-z'"):
         estimate(params, "federate", flops_per_step=1.0, memory_bytes=1.0, update_bytes=1, hw_class="gpu-z", pricing=pricing)
+
+
+def test_budgets_compare_reads_mlflow_prints_the_table_and_writes_the_plot(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    root = tmp_path / "cmp"
+    root.mkdir()
+    (root / "budgets.yaml").write_text((REPO / "budgets.yaml").read_text())
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    from tasks.tracking import Tracker
+
+    tracker = Tracker(root)
+    parent = tracker.parent_run("cmp", {"lensemble.kind": "pipeline"})
+    recorded = {("cpu-2c", 0.5), ("cpu-2c", 2.5), ("tpu-v5e", 1.0)}  # 2.5 is above its band; tpu-v5e has no band
+    for hw, value in recorded:
+        run_id = tracker.start_stage(parent, "federate", {"lensemble.stage": "federate", "lensemble.hardware_class": hw})
+        tracker.client.log_metric(run_id, "fed/bytes_per_param", value)
+        tracker.finish(run_id, ok=True)
+    proc = subprocess.run([sys.executable, "-m", "lensemble.cli", "--root", str(root), "budgets", "compare"],
+                          capture_output=True, text=True, timeout=120, env={**__import__("os").environ, "MLFLOW_TRACKING_URI": uri})
+    assert proc.returncode == 0, proc.stderr
+    rows = {tuple(line.split()[:3]): line.split() for line in proc.stdout.splitlines() if line.startswith("wire_bytes_per_param")}
+    cpu = rows[("wire_bytes_per_param", "federate", "cpu-2c")]
+    assert cpu[3:6] == ["2", "0.5", "1.5"] and cpu[-1] == "1/2"  # runs, min, median; one of two within [0, 2.1]
+    tpu = rows[("wire_bytes_per_param", "federate", "tpu-v5e")]
+    assert "no" in tpu and "band" in tpu  # a class without bands is reported, never silently passed
+    assert proc.stdout.strip().splitlines()[-1] == "plot: reports/plots/budgets_compare.png"
+    assert (root / "reports" / "plots" / "budgets_compare.png").read_bytes()[:4] == b"\x89PNG"
