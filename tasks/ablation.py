@@ -68,9 +68,12 @@ def point_params(raw: dict, point: Point) -> dict:
 
 
 def _link(src: Path, dst: Path) -> None:
+    """`dst` -> `src`, replacing what a previous run of the point left there."""
     dst.parent.mkdir(parents=True, exist_ok=True)
-    if dst.is_symlink() or dst.exists():
-        dst.unlink() if not dst.is_dir() or dst.is_symlink() else shutil.rmtree(dst)
+    if dst.is_dir() and not dst.is_symlink():
+        shutil.rmtree(dst)
+    elif dst.is_symlink() or dst.exists():
+        dst.unlink()
     dst.symlink_to(src.resolve(), target_is_directory=src.is_dir())
 
 
