@@ -6,7 +6,12 @@ transport's key setup, every site's announcement, the aggregator's agreement, ev
 update, and the aggregator's verified, order-fixed average and outer Nesterov step. A site that
 fails, drops or sends an update that does not verify is left out and the exchange is redone with the
 survivors (`federate.drop_policy: continue`), or the stage aborts (`abort`); nothing of a dropped
-site is ever half-applied.
+site is ever half-applied. Site steps follow the retry and timeout policy of `federate.site_*`, and
+run as local tasks or, with `federate.execution: sovereign`, at the sites (tasks/sites.py).
+
+Each round publishes Prefect artifacts (a per-site table of drift and bytes, a markdown summary with
+the budgets the round already measures) and records its orchestration overhead: the round's wall
+time minus the sites' and the aggregator's own work on its critical path.
 """
 from __future__ import annotations
 
@@ -17,8 +22,10 @@ from pathlib import Path
 
 import torch
 from prefect import flow, unmapped
+from prefect.task_runners import ThreadPoolTaskRunner
 from tqdm import tqdm
 
+from lensemble.budgets import evaluate_budgets, load_budgets
 from lensemble.errors import IntegrityError, ParticipantDropped
 from lensemble.federation.checkpoint import (
     FederationCheckpoint, capture_rng, commit_site_state, load_checkpoint, prune_site_states, restore_rng, restore_sites, save_checkpoint,
@@ -34,18 +41,8 @@ from lensemble.workflow import action_dims, build_model, probe_frames, site_name
 from tasks.federation import aggregate_round, gauge_round
 from tasks.preflight import preflight
 from tasks.runner import stage_run
-from tasks.train import site_adapt_head, site_announce, site_encode, site_train, train_local_only
-
-
-def _completed(sites: list[str], futures) -> tuple[dict, dict]:
-    """Results of the site task runs that finished, and the error of each that did not."""
-    ok, failed = {}, {}
-    for site, fut in zip(sites, futures):
-        try:
-            ok[site] = fut.result()
-        except Exception as exc:  # a site task failure is a dropout, recorded with its reason
-            failed[site] = f"{type(exc).__name__}: {exc}"
-    return ok, failed
+from tasks.sites import make_sites
+from tasks.train import site_adapt_head, train_local_only
 
 
 def remove_checkpoint(ckpt_path: Path, sites_root: Path, sites: list[str]) -> None:
@@ -68,7 +65,7 @@ def culprit(exc: IntegrityError) -> str | None:
     return m.group(1) if m else None
 
 
-def federated_round(run_id: str, round_idx: int, survivors: list[str], spec, transport: Transport, layout, delta_paths: dict[str, Path],
+def federated_round(run_id: str, round_idx: int, survivors: list[str], spec, transport: Transport, sites,
                     params: dict, momentum: dict | None, lr: float, beta: float, drop_policy: str) -> dict:
     """The exchange and the outer step of one round, redone with the survivors until it holds."""
     dropped: dict[str, str] = {}
@@ -76,12 +73,14 @@ def federated_round(run_id: str, round_idx: int, survivors: list[str], spec, tra
         if not survivors:
             raise ParticipantDropped(f"round {round_idx}: every site dropped: {dropped}")
         ctx = RoundContext(run_id, round_idx, tuple(sorted(survivors)), spec)
-        setup = transport.begin_round(ctx)
-        ann, failed = _completed(survivors, site_announce.map(unmapped(layout), survivors, [delta_paths[s] for s in survivors], unmapped(transport), unmapped(ctx)))
+        setup, failed = sites.begin(ctx)
+        ann: dict = {}
         enc: dict = {}
         if not failed:
+            ann, failed = sites.announce(ctx)
+        if not failed:
             transport.agree(ctx, ann)
-            enc, failed = _completed(survivors, site_encode.map(unmapped(layout), survivors, [delta_paths[s] for s in survivors], unmapped(transport), unmapped(ctx), unmapped(spec)))
+            enc, failed = sites.encode(ctx)
         if not failed:
             payloads = {s: e[0] for s, e in enc.items()}
             try:
@@ -97,6 +96,51 @@ def federated_round(run_id: str, round_idx: int, survivors: list[str], spec, tra
             raise ParticipantDropped(f"round {round_idx}: sites failed {failed}; federate.drop_policy is abort")
         dropped.update(failed)
         survivors = [s for s in survivors if s not in failed]
+        sites.next_attempt()
+
+
+def publish_round(r: int, per_site: dict, gauge: dict, dropped: dict, budget_rows: list[dict], round_seconds: float) -> None:
+    """The round's Prefect artifacts: a table per site (drift, comm bytes, losses) and a markdown summary."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    rows = [{"site": s, "drift_angle_deg": round(v["gauge/drift_angle_deg"], 3), "drift_angle_max_deg": round(v["gauge/drift_angle_max_deg"], 3),
+             "procrustes_residual": round(v["gauge/procrustes_residual"], 4), "comm_bytes": v["comm_bytes"], "loss_pred": round(v["loss/pred"], 5)}
+            for s, v in sorted(per_site.items())]
+    rows += [{"site": s, "drift_angle_deg": None, "drift_angle_max_deg": None, "procrustes_residual": None, "comm_bytes": 0,
+              "loss_pred": None, "dropped": reason} for s, reason in sorted(dropped.items())]
+    create_table_artifact(key="federation-round", table=rows, description=f"Round {r}: each site's drift against the global frame and bytes sent")
+    budgets = "\n".join(f"| {b['name']} | {b['value']:.4g} | [{b['low']}, {b['high']}] {b['unit']} | {b['status']} |" for b in budget_rows)
+    lines = [f"# Federation round {r}", "",
+             f"- sites: {len(per_site)} aggregated" + (f", {len(dropped)} dropped ({', '.join(f'{s}: {why}' for s, why in sorted(dropped.items()))})" if dropped else ""),
+             f"- wall time: {round_seconds:.2f} s; bytes on the wire: {sum(v['comm_bytes'] for v in per_site.values()):,}",
+             f"- effective dimension (RankMe): {gauge['effective_dim']['rankme']:.2f}; participation ratio {gauge['effective_dim']['participation_ratio']:.2f}",
+             "", "| budget | value | band | status |", "|---|---|---|---|", budgets]
+    create_markdown_artifact(key="federation-round-summary", markdown="\n".join(lines), description=f"Round {r} summary")
+
+
+def round_budgets(root: Path, hw_class: str, measured: dict[str, float]) -> list[dict]:
+    """Budget rows of the federate stage that one round's figures already measure."""
+    rows = evaluate_budgets(load_budgets(root / "budgets.yaml"), "federate", hw_class, measured)
+    return [r for r in rows if r["status"] not in ("not_measured", "no_band")]
+
+
+def task_runner_for(p):
+    """The task runner params ask for: threads (one per site, so sovereign site tasks never queue) or Dask."""
+    if p.federate.task_runner == "dask":
+        from prefect_dask import DaskTaskRunner
+
+        if p.federate.dask_address:
+            return DaskTaskRunner(address=p.federate.dask_address)
+        return DaskTaskRunner(cluster_kwargs={"n_workers": p.federate.dask_workers, "threads_per_worker": 1, "processes": True,
+                                              "dashboard_address": None})
+    return ThreadPoolTaskRunner(max_workers=len(p.data.sites) + 4)
+
+
+def configured_flow(root: str | Path = "."):
+    """`federate_flow` with the task runner of the project's params."""
+    from lensemble.config import load_params
+
+    return federate_flow.with_options(task_runner=task_runner_for(load_params(Path(root) / "params.yaml")))
 
 
 @flow(name="federate")
@@ -112,12 +156,15 @@ def federate_flow(root: str = ".") -> None:
         spec = param_spec(global_state)
         numel = spec_numel(spec)
         probe = probe_frames(ctx.layout, p)
-        transport = make_transport(p.federate.transport, p.federate.quant_block)
+        sovereign = p.federate.execution == "sovereign"
+        # the aggregator holds no site's signing key when sites are sovereign: they enrol through the exchange
+        transport = make_transport(p.federate.transport, p.federate.quant_block, site_keys={} if sovereign else None)
         momentum = None
         rounds, total_bytes = [], 0
         state_paths = {s: ctx.out.path(f"models/sites/{s}.pt") for s in sites}
         delta_paths = {s: ctx.out.path(f"models/sites/{s}.delta.pt") for s in sites}
         run_id = p.hash()[:16]
+        site_runs = make_sites(p, ctx.layout, transport, run_id, state_paths, delta_paths)  # sovereign: checked before any round
         # crash-resume: a checkpoint per run id, committed after every round, removed when the stage succeeds
         ckpt_root = ctx.layout.root / "checkpoints"
         ckpt_path = ckpt_root / "federate" / f"{run_id}.ckpt"
@@ -128,28 +175,30 @@ def federate_flow(root: str = ".") -> None:
             global_state, momentum, rounds, start, site_refs = ckpt.global_params, ckpt.momentum, list(ckpt.history), ckpt.round_idx, dict(ckpt.site_states)
             total_bytes = sum(v["comm_bytes"] for r in rounds for v in r["sites"].values())
             restore_rng(ckpt.rng)
-        restore_sites(ckpt, state_paths)
+        if not sovereign:  # a sovereign site keeps (and snapshots) its own state
+            restore_sites(ckpt, state_paths)
         ctx.extra_manifest["resumed_from_round"] = start
         for r in tqdm(range(start, p.federate.rounds), desc="federate rounds", unit="round", disable=not sys.stderr.isatty()):
             t_round = time.perf_counter()
             load_federated(model, global_state)
             global_probe = encode_frames(model, probe)
-            futures = site_train.map(unmapped(p), unmapped(ctx.layout), sites, unmapped(r), unmapped(global_state), unmapped(probe),
-                                     unmapped(global_probe), [state_paths[s] for s in sites], [delta_paths[s] for s in sites])
-            trained, train_failed = _completed(sites, futures)
+            probe_seconds = time.perf_counter() - t_round
+            trained, train_failed = site_runs.train(r, sites, global_state, probe, global_probe)
             if train_failed and p.federate.drop_policy == "abort":
                 raise ParticipantDropped(f"round {r}: sites failed {train_failed}; federate.drop_policy is abort")
-            res = federated_round(run_id, r, sorted(trained), spec, transport, ctx.layout, delta_paths, global_state, momentum,
+            res = federated_round(run_id, r, sorted(trained), spec, transport, site_runs, global_state, momentum,
                                   p.federate.outer_lr, p.federate.outer_momentum, p.federate.drop_policy)
             global_state, momentum = res["params"], res["momentum"]
-            for s in sites:
-                delta_paths[s].unlink(missing_ok=True)
+            exchange_work = site_runs.work_seconds
+            site_runs.close(r, sites)
             t_gauge = time.perf_counter()
             load_federated(model, global_state)
             members = list(res["ctx"].site_ids)
-            gauge = gauge_round(p.run.seed, r, {s: trained[s]["probe_embedding"] for s in members}, pool_tokens(encode_frames(model, probe)), p.gauge.pair_samples)
+            new_probe = pool_tokens(encode_frames(model, probe))
+            encode_probe_seconds = time.perf_counter() - t_gauge
+            gauge = gauge_round(p.run.seed, r, {s: trained[s]["probe_embedding"] for s in members}, new_probe, p.gauge.pair_samples)
             gauge_seconds = time.perf_counter() - t_gauge
-            round_seconds = time.perf_counter() - t_round
+            dropped = {**train_failed, **res["dropped"]}
             per_site = {}
             for s in members:
                 nbytes = res["setup"][s] + len(res["announcements"][s]) + len(res["payloads"][s])
@@ -160,25 +209,39 @@ def federate_flow(root: str = ".") -> None:
                 ctx.metric("fed/quant_ratio", len(res["payloads"][s]) / (4 * numel), step=r, round_idx=r, participant=s)
                 for name in ("loss/pred", "loss/sigreg", "loss/anchor", "gauge/drift_angle_deg", "gauge/drift_angle_max_deg", "gauge/procrustes_residual"):
                     ctx.metric(name, m[name], step=r, round_idx=r, participant=s)
+            for s in dropped:
+                ctx.metric("fed/site_dropped", 1.0, step=r, round_idx=r, participant=s)
+            bytes_per_param = sum(v["comm_bytes"] for v in per_site.values()) / (len(members) * numel)
+            # the sites' own work on the round's critical path: the slowest training, announcement and encoding
+            work_seconds = (probe_seconds + max(trained[s]["task_seconds"] for s in members) + exchange_work + res["outer_seconds"]
+                            + encode_probe_seconds + gauge["seconds"])
+            publish_round(r, per_site, gauge, dropped, round_budgets(ctx.layout.root, ctx.hw_class, {
+                "fed/bytes_per_param": bytes_per_param, "fed/round_seconds": time.perf_counter() - t_round,
+                "gauge/effective_dim_fraction": gauge["effective_dim"]["rankme"] / model.latent_dim}), time.perf_counter() - t_round)
+            round_seconds = time.perf_counter() - t_round
+            orchestration = max(0.0, round_seconds - work_seconds)
             ctx.metric("gauge/effective_dim", gauge["effective_dim"]["rankme"], step=r, round_idx=r)
             ctx.metric("gauge/participation_ratio", gauge["effective_dim"]["participation_ratio"], step=r, round_idx=r)
             ctx.metric("fed/round_seconds", round_seconds, step=r, round_idx=r)
             ctx.metric("fed/outer_step_seconds", res["outer_seconds"], step=r, round_idx=r)
+            ctx.metric("perf/orchestration_seconds", orchestration, step=r, round_idx=r)
             rounds.append({"round": r, "seconds": round_seconds, "outer_step_seconds": res["outer_seconds"], "gauge_seconds": gauge_seconds,
-                           "sites": per_site, "gauge": gauge,
-                           "dropped": {**train_failed, **res["dropped"]},
-                           "bytes_per_param": sum(v["comm_bytes"] for v in per_site.values()) / (len(members) * numel)})
-            for s in members:
-                site_refs[s] = commit_site_state(state_paths[s], ckpt_root / "sites" / s, r)
+                           "work_seconds": work_seconds, "orchestration_seconds": orchestration,
+                           "sites": per_site, "gauge": {k: v for k, v in gauge.items() if k != "seconds"},
+                           "dropped": dropped, "bytes_per_param": bytes_per_param})
+            if not sovereign:
+                for s in members:
+                    site_refs[s] = commit_site_state(state_paths[s], ckpt_root / "sites" / s, r)
             save_checkpoint(ckpt_path, FederationCheckpoint(run_id, r + 1, global_state, momentum, site_refs, capture_rng(), rounds))
-            for s in members:
-                prune_site_states(ckpt_root / "sites" / s, site_refs[s])
+            if not sovereign:
+                for s in members:
+                    prune_site_states(ckpt_root / "sites" / s, site_refs[s])
         torch.save(global_state, ctx.out.path("models/federated.pt"))
         head_adapt = {}
-        if p.federate.head_adapt_steps:
+        if p.federate.head_adapt_steps and not sovereign:
             head_adapt = dict(zip(sites, site_adapt_head.map(unmapped(p), unmapped(ctx.layout), sites, unmapped(global_state), [state_paths[s] for s in sites]).result()))
         local_only = {}
-        if p.federate.local_only:
+        if p.federate.local_only and not sovereign:
             local_only = dict(zip(sites, train_local_only.map(unmapped(p), unmapped(ctx.layout), sites, [ctx.out.path(f"models/local/{s}.pt") for s in sites]).result()))
         inner_total = p.federate.rounds * p.federate.inner_steps
         site_rounds = sum(len(r["sites"]) for r in rounds)
@@ -211,5 +274,8 @@ def federate_flow(root: str = ".") -> None:
         ctx.measured["perf/gauge_seconds"] = sum(r.get("gauge_seconds", 0.0) for r in rounds) / len(rounds)
         ctx.measured["perf/gauge_round_fraction"] = ctx.measured["perf/gauge_seconds"] / summary["round_seconds_mean"]
         ctx.measured["perf/peak_memory_gib"] = peak_memory_gib()
+        # what Prefect (task submission, state tracking, artifacts) added to the rounds, against their wall time
+        ctx.measured["perf/orchestration_fraction"] = sum(r.get("orchestration_seconds", 0.0) for r in rounds) / sum(r["seconds"] for r in rounds)
+        site_runs.finish()
         ctx.out.write_json("reports/federate.json", summary)
         remove_checkpoint(ckpt_path, ckpt_root / "sites", sites)

@@ -8,7 +8,7 @@ from prefect import flow
 
 from flows.centralized import centralized_flow
 from flows.evaluate import evaluate_flow
-from flows.federate import federate_flow
+from flows.federate import configured_flow, federate_flow
 from flows.gauge import gauge_flow
 from flows.prepare import prepare_flow
 from flows.report import report_flow
@@ -28,7 +28,7 @@ def pipeline_flow(root: str = ".") -> None:
     os.environ["LENSEMBLE_PIPELINE_RUN"] = parent
     try:
         for stage in STAGE_FLOWS:
-            stage(root=root)
+            (configured_flow(root) if stage is federate_flow else stage)(root=root)
     finally:
         if previous is None:
             os.environ.pop("LENSEMBLE_PIPELINE_RUN", None)

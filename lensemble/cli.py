@@ -35,9 +35,11 @@ def offline_environment(root: Path) -> None:
     os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
 
 
-def stage_flow(stage: str):
-    """The flow function of a stage."""
+def stage_flow(stage: str, root: Path | str = "."):
+    """The flow function of a stage (federate: with the task runner its params ask for)."""
     module = importlib.import_module(f"flows.{stage}")
+    if stage == "federate":
+        return module.configured_flow(root)
     return getattr(module, f"{stage}_flow")
 
 
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             # fail fast, before any server or run starts
             validate_warm_start(load_params(root / "params.yaml"), root)
             ensure_server(Path(os.environ["PREFECT_HOME"]))
-            stage_flow(args.stage)(root=str(root))
+            stage_flow(args.stage, root)(root=str(root))
         elif args.cmd == "budgets":
             budgets_compare(root, root / args.plot)
         elif args.cmd == "ablate":

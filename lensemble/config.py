@@ -33,6 +33,13 @@ class SiteParams(Section):
     name: str = Field(..., pattern=r"^[a-z][a-z0-9_]{0,31}$", description="Site id, lowercase.")
     embodiment: str = Field(..., description="Embodiment name from lensemble.sim.registry.")
     episodes: int = Field(..., ge=1, le=100_000, description="Episodes generated at this site.")
+    work_pool: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
+                                  description="Prefect work pool the site's training runs on in sovereign mode; None: lensemble-<name>.")
+
+    @property
+    def pool(self) -> str:
+        """The site's work pool name (sovereign mode)."""
+        return self.work_pool or f"lensemble-{self.name.replace('_', '-')}"
 
     @model_validator(mode="after")
     def _known_embodiment(self) -> "SiteParams":
@@ -115,6 +122,15 @@ class FederateParams(Section):
     head_adapt_steps: int = Field(50, ge=0, description="Head-only steps each site takes on the final global model (local; 0 = none).")
     local_only: bool = Field(True, description="Also train each site alone for rounds x H steps: the no-federation baseline evaluate compares against.")
     drop_policy: Literal["continue", "abort"] = Field("continue", description="A site that fails or drops: finish the round with the survivors, or abort.")
+    site_timeout_seconds: float = Field(900.0, gt=0.0, description="A site's task (training, or one exchange phase) that runs longer fails with a timeout; the coordinator never waits longer.")
+    site_retries: int = Field(1, ge=0, le=10, description="Retries of a failed or timed-out site task before the site counts as dropped for the round.")
+    retry_delay_seconds: float = Field(0.0, ge=0.0, le=3600.0, description="Pause before each retry of a site task.")
+    task_runner: Literal["threads", "dask"] = Field("threads", description="Where site tasks run: a thread pool, or a Dask cluster (prefect-dask).")
+    dask_workers: int = Field(2, ge=1, le=256, description="Dask task runner: workers of the local cluster (one thread each).")
+    dask_address: str | None = Field(None, description="Dask task runner: scheduler address of an existing cluster (tcp://host:port); None starts a local one.")
+    execution: Literal["local", "sovereign"] = Field("local", description="local: site tasks run in the coordinator's task runner; sovereign: each site's round runs as a deployment on its own work pool, and updates come back through the exchange.")
+    site_launch: Literal["deployment", "task"] = Field("deployment", description="Sovereign mode: run each site's round as a deployment on the site's work pool, or (one-machine trial) as a task of the coordinator.")
+    exchange: str = Field("exchange", description="Sovereign mode: where sites and coordinator swap round messages; a folder (relative to the project root) or any fsspec URL.")
 
 
 class GaugeParams(Section):
@@ -144,6 +160,25 @@ class EvaluateParams(Section):
     cem: CemParams = Field(default_factory=CemParams)
 
 
+class ServeParams(Section):
+    cron: str | None = Field(None, description="`lensemble serve`: cron schedule of the federation-rounds deployment (e.g. '0 * * * *'); exclusive with interval_seconds.")
+    interval_seconds: float | None = Field(3600.0, gt=0.0, description="`lensemble serve`: interval schedule of the federation-rounds deployment, in seconds.")
+    timezone: str = Field("UTC", description="Time zone the cron schedule is read in.")
+
+    @model_validator(mode="after")
+    def _one_schedule(self) -> "ServeParams":
+        if (self.cron is None) == (self.interval_seconds is None):
+            raise ValueError("give exactly one of cron and interval_seconds (set the other to null)")
+        if self.cron is not None:
+            from prefect.client.schemas.schedules import CronSchedule
+
+            try:
+                CronSchedule(cron=self.cron, timezone=self.timezone)
+            except ValueError:
+                raise ValueError(f"cron {self.cron!r} in time zone {self.timezone!r} does not parse; five fields, e.g. '0 * * * *'") from None
+        return self
+
+
 class PreflightParams(Section):
     max_cost_usd: float | None = Field(5.0, ge=0.0, description="Refuse a training stage estimated to cost more (USD).")
     max_accelerator_hours: float | None = Field(2.0, ge=0.0, description="Refuse a stage estimated to take longer (hours).")
@@ -161,6 +196,7 @@ class Params(Section):
     federate: FederateParams = Field(default_factory=FederateParams)
     gauge: GaugeParams = Field(default_factory=GaugeParams)
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
+    serve: ServeParams = Field(default_factory=ServeParams)
     preflight: PreflightParams = Field(default_factory=PreflightParams)
 
     @model_validator(mode="after")

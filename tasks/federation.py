@@ -30,7 +30,8 @@ def aggregate_round(ctx: RoundContext, transport: Transport, payloads: Mapping[s
 @task(name="gauge-round", cache_policy=NONE)
 def gauge_round(run_seed: int, round_idx: int, site_probes: Mapping[str, torch.Tensor], global_probe: torch.Tensor, num_pairs: int) -> dict:
     """Drift of sampled site pairs and the effective dimension of the new global model's probe embeddings."""
+    t0 = time.perf_counter()
     sites = sorted(site_probes)
     rng = np.random.default_rng(derive_seed(run_seed, "gauge/pairs", round_idx))
     pairs = {f"{a}|{b}": drift(site_probes[a], site_probes[b]) for a, b in sample_pairs(sites, num_pairs, rng)}
-    return {"pairs": pairs, "effective_dim": effective_dim(global_probe)}
+    return {"pairs": pairs, "effective_dim": effective_dim(global_probe), "seconds": time.perf_counter() - t0}

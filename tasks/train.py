@@ -62,6 +62,7 @@ def site_train(params: Params, layout: Layout, site: str, round_idx: int, global
     `state_path`; Δ_c is kept at the site in `delta_path` until the round is committed. What leaves:
     scalar metrics and the pooled embedding of the public probe - both through the residency guard.
     """
+    t_task = time.perf_counter()
     torch.set_num_threads(params.run.torch_threads)
     embodiment = site_embodiment(params, site)
     model = build_model(params, f"site/{site}")
@@ -89,7 +90,7 @@ def site_train(params: Params, layout: Layout, site: str, round_idx: int, global
     metrics = {**log.mean(), "train_seconds": train_seconds, "steps": params.federate.inner_steps,
                **{f"gauge/{k}": v for k, v in gauge.items()}}
     guard.release("metrics", metrics)
-    return {"metrics": metrics, "probe_embedding": guard.release("public_probe_embedding", site_probe)}
+    return {"metrics": metrics, "probe_embedding": guard.release("public_probe_embedding", site_probe), "task_seconds": time.perf_counter() - t_task}
 
 
 @task(name="site-adapt-head", cache_policy=NONE)
@@ -118,19 +119,24 @@ def site_adapt_head(params: Params, layout: Layout, site: str, global_state: dic
 
 
 @task(name="site-announce", cache_policy=NONE)
-def site_announce(layout: Layout, site: str, delta_path: Path, transport: Transport, ctx: RoundContext) -> bytes:
-    """The site's pre-encoding message (e.g. its per-block scales), through the guard."""
+def site_announce(layout: Layout, site: str, delta_path: Path, transport: Transport, ctx: RoundContext) -> tuple[bytes, float]:
+    """The site's pre-encoding message (e.g. its per-block scales), through the guard; and the task's seconds."""
+    t0 = time.perf_counter()
     delta = torch.load(delta_path, weights_only=True)
     guard = ResidencyGuard(site, ctx.spec, layout.site_audit(site), private=PrivateIndex.load(index_path(layout.site_episodes(site))))
-    return guard.release("payload", transport.announce(ctx, site, delta))
+    return guard.release("payload", transport.announce(ctx, site, delta)), time.perf_counter() - t0
 
 
 @task(name="site-encode", cache_policy=NONE)
-def site_encode(layout: Layout, site: str, delta_path: Path, transport: Transport, ctx: RoundContext, spec: tuple) -> tuple[bytes, float]:
-    """The site serialises (quantizes, masks, signs) its Δ_c; the payload leaves through the guard."""
+def site_encode(layout: Layout, site: str, delta_path: Path, transport: Transport, ctx: RoundContext, spec: tuple) -> tuple[bytes, float, float]:
+    """The site serialises (quantizes, masks, signs) its Δ_c; the payload leaves through the guard.
+
+    Returns (payload, seconds of the encoding itself, seconds of the whole task body).
+    """
+    t_task = time.perf_counter()
     delta = torch.load(delta_path, weights_only=True)
     guard = ResidencyGuard(site, spec, layout.site_audit(site), private=PrivateIndex.load(index_path(layout.site_episodes(site))))
     t0 = time.perf_counter()
     payload = transport.encode(ctx, site, delta)
     encode_seconds = time.perf_counter() - t0
-    return guard.release("payload", payload), encode_seconds
+    return guard.release("payload", payload), encode_seconds, time.perf_counter() - t_task

@@ -166,6 +166,12 @@ class _SignedTransport(Transport):
         self._registry = public_keys(self._site_keys)
         self._guard = ReplayGuard()
 
+    def register(self, site: str, public_key) -> None:
+        """Add a site's Ed25519 public key to the registry (a party holding only its own signing key)."""
+        if site in self._registry and self._registry[site].public_bytes_raw() != public_key.public_bytes_raw():
+            raise IntegrityError(f"site {site!r} presented a different signing key from the one registered")
+        self._registry[site] = public_key
+
     def _signing_key(self, site: str) -> Ed25519PrivateKey:
         if site not in self._site_keys:
             if not self._enroll:
@@ -213,10 +219,9 @@ class Int8Transport(_SignedTransport):
 
 @dataclass
 class _Attempt:
-    """One round attempt of secure_int8: ephemeral keys, session id and, after `agree`, the grid."""
+    """One round attempt of secure_int8: the sites' ephemeral public keys, session id and, after `agree`, the grid."""
 
     ctx: RoundContext
-    x25519: dict[str, X25519PrivateKey]
     public: dict[str, bytes]
     session: str
     absmax_B: torch.Tensor | None = None
@@ -225,7 +230,13 @@ class _Attempt:
 
 
 class SecureInt8Transport(_SignedTransport):
-    """Shared int8 grid + pairwise masks in Z_{2^k} + signatures; the aggregator sees only the sum."""
+    """Shared int8 grid + pairwise masks in Z_{2^k} + signatures; the aggregator sees only the sum.
+
+    One object can play every party (`begin_round`, as in one process) or one side of a distributed
+    round: a site holds only its own signing key and the peers' public keys (`register`), sends
+    `key_share`, takes the roster with `accept_shares`, announces, takes `grid_message` with
+    `accept_grid` and encodes; the aggregator holds public keys only.
+    """
 
     name = "secure_int8"
 
@@ -240,6 +251,7 @@ class SecureInt8Transport(_SignedTransport):
         secagg.ring_dtype(ring_bits)  # ConfigError for an unsupported ring
         self.ring_bits = ring_bits
         self._attempt: _Attempt | None = None
+        self._ephemeral: dict[tuple[str, int, tuple[str, ...], str], X25519PrivateKey] = {}  # (run, round, roster, site)
         self._ring_scratch = np.empty(0, dtype=secagg.ring_dtype(ring_bits))
 
     def _current(self, ctx: RoundContext, agreed: bool) -> _Attempt:
@@ -250,20 +262,29 @@ class SecureInt8Transport(_SignedTransport):
             raise ValueError(f"secure_int8: call announce/agree for round {ctx.round_idx} before encode/aggregate")
         return attempt
 
-    def begin_round(self, ctx: RoundContext) -> dict[str, int]:
-        """Fresh X25519 keys per site, vouched for by Ed25519; returns each site's 96 key bytes."""
+    def key_share(self, ctx: RoundContext, site: str) -> bytes:
+        """A fresh X25519 key for this attempt, vouched for by the site's Ed25519 key: 32 + 64 bytes."""
         secagg.check_ring_capacity(len(ctx.site_ids), self.ring_bits)
-        x25519 = {site: X25519PrivateKey.generate() for site in ctx.site_ids}
-        public = {site: key.public_key().public_bytes_raw() for site, key in x25519.items()}
-        sent = {}
+        self._ephemeral = {k: v for k, v in self._ephemeral.items() if k[1] >= ctx.round_idx}  # earlier rounds are spent
+        key = self._ephemeral[(ctx.run_id, ctx.round_idx, ctx.site_ids, site)] = X25519PrivateKey.generate()
+        public = key.public_key().public_bytes_raw()
+        return public + sign(self._signing_key(site), key_message(ctx.run_id, ctx.round_idx, site, public))[-SIGNATURE_BYTES:]
+
+    def accept_shares(self, ctx: RoundContext, shares: Mapping[str, bytes]) -> dict[str, int]:
+        """Check every site's key share against its Ed25519 key (it stops a man in the middle); fix the session."""
+        secagg.check_ring_capacity(len(ctx.site_ids), self.ring_bits)
+        check_roster(ctx, shares)
+        raise_if_missing(ctx, shares, "key share")
+        public = {}
         for site in ctx.site_ids:
-            message = key_message(ctx.run_id, ctx.round_idx, site, public[site])
-            wire = public[site] + sign(self._signing_key(site), message)[-SIGNATURE_BYTES:]
-            # Peers check the signature before deriving masks: it stops a man in the middle.
-            open_signed(message + wire[KEY_BYTES:], site, self._registry)
-            sent[site] = len(wire)
-        self._attempt = _Attempt(ctx, x25519, public, secagg.session_id(ctx.run_id, ctx.round_idx, public))
-        return sent
+            wire = shares[site]
+            if len(wire) != KEY_BYTES + SIGNATURE_BYTES:
+                raise IntegrityError(f"key share from {site!r} has {len(wire)} bytes, expected {KEY_BYTES + SIGNATURE_BYTES}")
+            key = bytes(wire[:KEY_BYTES])
+            open_signed(key_message(ctx.run_id, ctx.round_idx, site, key) + bytes(wire[KEY_BYTES:]), site, self._registry)
+            public[site] = key
+        self._attempt = _Attempt(ctx, public, secagg.session_id(ctx.run_id, ctx.round_idx, public))
+        return {site: len(shares[site]) for site in ctx.site_ids}
 
     def announce(self, ctx: RoundContext, site: str, delta: Mapping[str, torch.Tensor]) -> bytes:
         """The per-block absmax of w_c Δ_c, signed and bound to this attempt."""
@@ -289,6 +310,20 @@ class SecureInt8Transport(_SignedTransport):
         attempt.scales_B = scales_from_absmax(attempt.absmax_B)
         attempt.grid = hashlib.sha256(attempt.scales_B.numpy().astype("<f4").tobytes()).hexdigest()[:_HEX]
 
+    def grid_message(self, ctx: RoundContext) -> bytes:
+        """The agreed per-block absmax (fp32), which every site needs to quantize on the shared grid."""
+        return self._current(ctx, agreed=True).absmax_B.numpy().astype("<f4").tobytes()
+
+    def accept_grid(self, ctx: RoundContext, message: bytes) -> None:
+        """Take the aggregator's agreed absmax; the grid id binds every update to it."""
+        attempt = self._current(ctx, agreed=False)
+        nb = num_blocks(spec_numel(ctx.spec), self.block)
+        if len(message) != 4 * nb:
+            raise IntegrityError(f"grid message from the aggregator has {len(message)} bytes, expected {4 * nb}")
+        attempt.absmax_B = _read_f32(memoryview(message), "aggregator", "agreed absmax values")
+        attempt.scales_B = scales_from_absmax(attempt.absmax_B)
+        attempt.grid = hashlib.sha256(attempt.scales_B.numpy().astype("<f4").tobytes()).hexdigest()[:_HEX]
+
     def encode(self, ctx: RoundContext, site: str, delta: Mapping[str, torch.Tensor]) -> bytes:
         """Quantize w_c Δ_c on the shared grid, add the pairwise mask in Z_{2^k}, sign."""
         attempt = self._current(ctx, agreed=True)
@@ -296,8 +331,11 @@ class SecureInt8Transport(_SignedTransport):
         if (block_absmax(x_N, self.block) > attempt.absmax_B).any():
             raise ValueError(f"secure_int8: the update of {site!r} changed between announce and encode")
         q_N = quantize_with_scales(x_N, attempt.scales_B, self.block)
+        private = self._ephemeral.get((ctx.run_id, ctx.round_idx, ctx.site_ids, site))
+        if private is None:
+            raise ValueError(f"secure_int8: {site!r} holds no key share for round {ctx.round_idx} of this attempt")
         mask_N = secagg.site_mask(
-            site, attempt.x25519[site], attempt.public, ctx.run_id, ctx.round_idx, attempt.session, q_N.numel(),
+            site, private, attempt.public, ctx.run_id, ctx.round_idx, attempt.session, q_N.numel(),
             self.ring_bits,
         )
         y_N = secagg.mask_codes(q_N, mask_N, self.ring_bits)

@@ -156,8 +156,26 @@ class Transport(ABC):
     name: str = ""
 
     def begin_round(self, ctx: RoundContext) -> dict[str, int]:
-        """Per-round setup; returns setup bytes per site (0 when there is none)."""
-        return {site: 0 for site in ctx.site_ids}
+        """Per-round setup when every site's side lives in this object: each site's key share, accepted.
+
+        Returns the setup bytes each site put on the wire (0 when there is none).
+        """
+        return self.accept_shares(ctx, {site: self.key_share(ctx, site) for site in ctx.site_ids})
+
+    def key_share(self, ctx: RoundContext, site: str) -> bytes:
+        """Site side: this site's key-setup message for the round attempt (empty when there is none)."""
+        return b""
+
+    def accept_shares(self, ctx: RoundContext, shares: Mapping[str, bytes]) -> dict[str, int]:
+        """Either side: check every site's key share and fix the attempt; returns bytes per site."""
+        return {site: len(shares.get(site, b"")) for site in ctx.site_ids}
+
+    def grid_message(self, ctx: RoundContext) -> bytes:
+        """Aggregator side, after `agree`: what it broadcasts back to the sites (empty when nothing)."""
+        return b""
+
+    def accept_grid(self, ctx: RoundContext, message: bytes) -> None:
+        """Site side: take the aggregator's `grid_message` before `encode`."""
 
     def announce(self, ctx: RoundContext, site: str, delta: Mapping[str, torch.Tensor]) -> bytes:
         """An optional small message before `encode`; empty by default."""

@@ -1,6 +1,10 @@
 """Transport names → implementations (params `federate.transport`)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from lensemble.errors import ConfigError
 from lensemble.federation.secure_transport import Int8Transport, SecureInt8Transport
 from lensemble.federation.transport import PlainFP32, Transport
@@ -8,7 +12,7 @@ from lensemble.federation.transport import PlainFP32, Transport
 TRANSPORTS = ("fp32", "int8", "secure_int8")
 
 
-def make_transport(name: str, block: int = 4096) -> Transport:
+def make_transport(name: str, block: int = 4096, site_keys: Mapping[str, Ed25519PrivateKey] | None = None) -> Transport:
     """The transport named in params; ConfigError for an unknown name.
 
     Signing and key-agreement keys come from OS randomness, never from the run seed: the aggregate
@@ -17,7 +21,7 @@ def make_transport(name: str, block: int = 4096) -> Transport:
     if name == "fp32":
         return PlainFP32()
     if name == "int8":
-        return Int8Transport(block=block)
+        return Int8Transport(site_keys, block=block)
     if name == "secure_int8":
-        return SecureInt8Transport(block=block, ring_bits=16)
+        return SecureInt8Transport(site_keys, block=block, ring_bits=16)
     raise ConfigError(f"federate.transport: unknown transport {name!r}; known: {list(TRANSPORTS)}")
