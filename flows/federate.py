@@ -41,7 +41,7 @@ from lensemble.workflow import action_dims, build_model, probe_frames, site_name
 from tasks.federation import aggregate_round, gauge_round
 from tasks.preflight import preflight
 from tasks.runner import stage_run
-from tasks.sites import make_sites
+from tasks.sites import check_sovereign, make_sites, site_task_options
 from tasks.train import site_adapt_head, train_local_only
 
 
@@ -150,13 +150,14 @@ def federate_flow(root: str = ".") -> None:
         pre = preflight(p, ctx.layout, "federate", ctx.hw_class)
         ctx.extra_manifest.update(preflight=pre["estimate"], compute=pre["compute"], usd_per_hour=pre["usd_per_hour"])
         sites = site_names(p)
+        sovereign = p.federate.execution == "sovereign"
+        exchange = check_sovereign(p, ctx.layout) if sovereign else None  # pools, deployments, exchange: before any round
         model = build_model(p, "federated")  # the aggregator's copy: only encoder + predictor matter
         ctx.extra_manifest["warm_start"] = warm_start(model, p, ctx.layout)
         global_state = federated_state(model)
         spec = param_spec(global_state)
         numel = spec_numel(spec)
         probe = probe_frames(ctx.layout, p)
-        sovereign = p.federate.execution == "sovereign"
         # the aggregator holds no site's signing key when sites are sovereign: they enrol through the exchange
         transport = make_transport(p.federate.transport, p.federate.quant_block, site_keys={} if sovereign else None)
         momentum = None
@@ -164,7 +165,7 @@ def federate_flow(root: str = ".") -> None:
         state_paths = {s: ctx.out.path(f"models/sites/{s}.pt") for s in sites}
         delta_paths = {s: ctx.out.path(f"models/sites/{s}.delta.pt") for s in sites}
         run_id = p.hash()[:16]
-        site_runs = make_sites(p, ctx.layout, transport, run_id, state_paths, delta_paths)  # sovereign: checked before any round
+        site_runs = make_sites(p, ctx.layout, transport, run_id, state_paths, delta_paths, exchange)
         # crash-resume: a checkpoint per run id, committed after every round, removed when the stage succeeds
         ckpt_root = ctx.layout.root / "checkpoints"
         ckpt_path = ckpt_root / "federate" / f"{run_id}.ckpt"
@@ -210,7 +211,7 @@ def federate_flow(root: str = ".") -> None:
                 for name in ("loss/pred", "loss/sigreg", "loss/anchor", "gauge/drift_angle_deg", "gauge/drift_angle_max_deg", "gauge/procrustes_residual"):
                     ctx.metric(name, m[name], step=r, round_idx=r, participant=s)
             for s in dropped:
-                ctx.metric("fed/site_dropped", 1.0, step=r, round_idx=r, participant=s)
+                ctx.metric("perf/site_dropouts", 1.0, step=r, round_idx=r, participant=s)
             bytes_per_param = sum(v["comm_bytes"] for v in per_site.values()) / (len(members) * numel)
             # the sites' own work on the round's critical path: the slowest training, announcement and encoding
             work_seconds = (probe_seconds + max(trained[s]["task_seconds"] for s in members) + exchange_work + res["outer_seconds"]
@@ -239,10 +240,10 @@ def federate_flow(root: str = ".") -> None:
         torch.save(global_state, ctx.out.path("models/federated.pt"))
         head_adapt = {}
         if p.federate.head_adapt_steps and not sovereign:
-            head_adapt = dict(zip(sites, site_adapt_head.map(unmapped(p), unmapped(ctx.layout), sites, unmapped(global_state), [state_paths[s] for s in sites]).result()))
+            head_adapt = dict(zip(sites, site_adapt_head.with_options(**site_task_options(p)).map(unmapped(p), unmapped(ctx.layout), sites, unmapped(global_state), [state_paths[s] for s in sites]).result()))
         local_only = {}
         if p.federate.local_only and not sovereign:
-            local_only = dict(zip(sites, train_local_only.map(unmapped(p), unmapped(ctx.layout), sites, [ctx.out.path(f"models/local/{s}.pt") for s in sites]).result()))
+            local_only = dict(zip(sites, train_local_only.with_options(**site_task_options(p)).map(unmapped(p), unmapped(ctx.layout), sites, [ctx.out.path(f"models/local/{s}.pt") for s in sites]).result()))
         inner_total = p.federate.rounds * p.federate.inner_steps
         site_rounds = sum(len(r["sites"]) for r in rounds)
         summary = {

@@ -4,6 +4,8 @@
     lensemble pipeline         run every stage in order as subflows of one Prefect flow
     lensemble check-params     validate params.yaml and print its hash
     lensemble server url|stop  the project's Prefect server (started by the first stage that runs)
+    lensemble serve            the pipeline and scheduled federation rounds as deployments on that server
+    lensemble site deploy SITE enrol a sovereign site and register its round deployment on its work pool
     lensemble budgets compare  measured budget values by hardware class and stage, from MLflow
     lensemble ablate           the (H, anchor weight) grid as a Prefect map: drift, success vs bytes
     lensemble bench [NAME ...] the benchmark suite, each figure beside its physical limit
@@ -117,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     ablate.add_argument("--parallel", type=int, default=1, help="grid points run at once")
     server = sub.add_parser("server", help="the project-local Prefect server")
     server.add_argument("action", choices=("url", "stop"))
+    sub.add_parser("serve", help="serve the pipeline and the scheduled federation-rounds deployments (until Ctrl-C)")
+    site = sub.add_parser("site", help="sovereign sites")
+    site.add_argument("action", choices=("deploy",))
+    site.add_argument("name", help="the site's name in params.yaml")
     args = parser.parse_args(argv)
     root = Path(args.root)
     offline_environment(root)
@@ -162,6 +168,27 @@ def main(argv: list[str] | None = None) -> int:
             ensure_server(Path(os.environ["PREFECT_HOME"]))
             ablation_flow.with_options(task_runner=ThreadPoolTaskRunner(max_workers=args.parallel))(
                 root=str(root), inner_steps=inner, anchor_weights=anchors)
+        elif args.cmd == "serve":
+            from lensemble.config import load_params
+
+            p = load_params(root / "params.yaml")  # a schedule that does not parse fails here, before anything starts
+            ensure_server(Path(os.environ["PREFECT_HOME"]))
+            if p.federate.execution == "sovereign":
+                from lensemble.paths import Layout
+                from tasks.sites import check_sovereign
+
+                check_sovereign(p, Layout(root))  # pools, deployments, exchange: before any round
+            from flows.serve import serve_forever
+
+            serve_forever(root, p)
+        elif args.cmd == "site":
+            from lensemble.config import load_params
+
+            load_params(root / "params.yaml")
+            ensure_server(Path(os.environ["PREFECT_HOME"]))
+            from flows.site import deploy_site
+
+            print(f"deployment {deploy_site(root, args.name)} registered for site {args.name}")
         elif args.cmd == "server":
             home = Path(os.environ["PREFECT_HOME"])
             if args.action == "stop":

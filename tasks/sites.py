@@ -249,9 +249,9 @@ class SovereignSites:
         self.ex.remove_tree(self.run_id)
 
 
-def make_sites(p: Params, layout: Layout, transport: Transport, run_id: str, state_paths: dict, delta_paths: dict):
-    """The sites of params: local tasks, or sovereign sites behind the exchange (checked before any round)."""
+def make_sites(p: Params, layout: Layout, transport: Transport, run_id: str, state_paths: dict, delta_paths: dict, exchange: Exchange | None):
+    """The sites of params: local tasks, or sovereign sites behind the (already checked) exchange."""
     if p.federate.execution == "local":
         return LocalSites(p, layout, transport, state_paths, delta_paths)
-    return SovereignSites(p, layout, transport, run_id, check_sovereign(p, layout))
+    return SovereignSites(p, layout, transport, run_id, exchange)
 
