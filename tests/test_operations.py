@@ -134,7 +134,7 @@ def test_sovereign_sites_over_the_exchange_equal_local_federation_bitwise(prefec
 def test_sovereign_bad_input_fails_before_any_round(prefect_server, project, federate, message):
     from flows.federate import federate_flow
 
-    _edit(project, execution="sovereign", site_launch="task", **federate)
+    _edit(project, **{"execution": "sovereign", "site_launch": "task", **federate})
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         federate_flow(root=str(project))  # no data prepared: the checks come first
     assert not (project / "reports" / "federate.json").exists()
