@@ -15,6 +15,7 @@ time minus the sites' and the aggregator's own work on its critical path.
 """
 from __future__ import annotations
 
+import logging
 import re
 import sys
 import time
@@ -132,7 +133,7 @@ def task_runner_for(p):
         if p.federate.dask_address:
             return DaskTaskRunner(address=p.federate.dask_address)
         return DaskTaskRunner(cluster_kwargs={"n_workers": p.federate.dask_workers, "threads_per_worker": 1, "processes": True,
-                                              "dashboard_address": None})
+                                              "dashboard_address": None, "silence_logs": logging.WARNING})
     return ThreadPoolTaskRunner(max_workers=len(p.data.sites) + 4)
 
 

@@ -3,7 +3,8 @@
 Two ways, one interface (`train`, then per attempt `begin`, `announce`, `encode`; `close` each round):
 
 - `LocalSites` (`federate.execution: local`): every site step is a Prefect task in the coordinator's
-  task runner (threads, or Dask with `federate.task_runner: dask`).
+  task runner (threads, or Dask with `federate.task_runner: dask`, where training is spread over the
+  cluster's processes and the millisecond exchange steps run in the coordinator).
 - `SovereignSites` (`federate.execution: sovereign`): each site's round runs at the site
   (`tasks.site_agent.site_round`): as a deployment run on the site's own work pool
   (`federate.site_launch: deployment`), or as a task here for a one-machine trial (`task`). Messages
@@ -68,6 +69,17 @@ def completed(sites: list[str], futures, wait: float) -> tuple[dict, dict]:
     return ok, failed
 
 
+def inline(sites: list[str], step) -> tuple[dict, dict]:
+    """`step(site)` for each site in this process; a raise is that site's dropout, like a failed task."""
+    ok, failed = {}, {}
+    for site in sites:
+        try:
+            ok[site] = step(site)
+        except Exception as exc:
+            failed[site] = f"{type(exc).__name__}: {exc}"
+    return ok, failed
+
+
 class LocalSites:
     """Site steps as tasks of the coordinator's task runner; Δ_c stays in the site's state folder."""
 
@@ -80,6 +92,9 @@ class LocalSites:
         self._train, self._announce, self._encode = (t.with_options(**opts) for t in (site_train, site_announce, site_encode))
         self.wait = wait_seconds(p)
         self.work_seconds = 0.0  # this round's critical path of site work in announce/encode (task bodies)
+        # On Dask, site tasks run in other processes: training goes there, but the exchange steps use the
+        # transport's in-memory key state (one object plays every party), so they run here, in order.
+        self.inline_exchange = p.federate.task_runner == "dask"
 
     def train(self, r: int, sites: list[str], global_state: dict, probe: torch.Tensor, global_probe: torch.Tensor) -> tuple[dict, dict]:
         futures = self._train.map(unmapped(self.p), unmapped(self.layout), sites, unmapped(r), unmapped(global_state), unmapped(probe),
@@ -91,16 +106,22 @@ class LocalSites:
 
     def announce(self, ctx: RoundContext) -> tuple[dict, dict]:
         sites = list(ctx.site_ids)
-        ok, failed = completed(sites, self._announce.map(unmapped(self.layout), sites, [self.delta_paths[s] for s in sites],
-                                                         unmapped(self.transport), unmapped(ctx)), self.wait)
+        if self.inline_exchange:
+            ok, failed = inline(sites, lambda s: self._announce.fn(self.layout, s, self.delta_paths[s], self.transport, ctx))
+        else:
+            ok, failed = completed(sites, self._announce.map(unmapped(self.layout), sites, [self.delta_paths[s] for s in sites],
+                                                             unmapped(self.transport), unmapped(ctx)), self.wait)
         self.work_seconds += max((v[1] for v in ok.values()), default=0.0)
         return {s: v[0] for s, v in ok.items()}, failed
 
     def encode(self, ctx: RoundContext) -> tuple[dict, dict]:
         """{site: (payload, encode seconds, task body seconds)} and the failures."""
         sites = list(ctx.site_ids)
-        ok, failed = completed(sites, self._encode.map(unmapped(self.layout), sites, [self.delta_paths[s] for s in sites],
-                                                       unmapped(self.transport), unmapped(ctx), unmapped(ctx.spec)), self.wait)
+        if self.inline_exchange:
+            ok, failed = inline(sites, lambda s: self._encode.fn(self.layout, s, self.delta_paths[s], self.transport, ctx, ctx.spec))
+        else:
+            ok, failed = completed(sites, self._encode.map(unmapped(self.layout), sites, [self.delta_paths[s] for s in sites],
+                                                           unmapped(self.transport), unmapped(ctx), unmapped(ctx.spec)), self.wait)
         self.work_seconds += max((v[2] for v in ok.values()), default=0.0)
         return ok, failed
 

@@ -199,3 +199,44 @@ def test_site_deploy_refuses_a_missing_work_pool(prefect_server, project):
     assert out.returncode != 0 and out.stderr.strip().count("\n") == 0
     assert "work pool 'lensemble-site-a' of site site_a does not exist" in out.stderr
     assert not (project / "keys").exists()
+
+
+def test_sovereign_sites_on_their_own_work_pools_with_real_workers(prefect_server, project):
+    """Each site's round runs as a deployment run picked up by a real `prefect worker` on the site's pool."""
+    import uuid
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.settings import PREFECT_API_URL
+
+    from flows.federate import federate_flow
+    from flows.prepare import prepare_flow
+    from flows.site import deploy_site
+
+    prepare_flow(root=str(project))
+    _edit(project, head_adapt_steps=0, local_only=False)
+    federate_flow(root=str(project))
+    local = _fed(project)["global_params_sha256"]
+    raw = yaml.safe_load((project / "params.yaml").read_text())
+    pools = {s["name"]: f"pool-{s['name'].replace('_', '-')}-{uuid.uuid4().hex[:8]}" for s in raw["data"]["sites"]}
+    for s in raw["data"]["sites"]:
+        s["work_pool"] = pools[s["name"]]
+    raw["federate"].update(execution="sovereign", site_launch="deployment", site_timeout_seconds=120.0)
+    (project / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    with get_client(sync_client=True) as client:
+        for pool in pools.values():
+            client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+    for site in pools:
+        deploy_site(project, site)
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    workers = [subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool], cwd=project, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True) for pool in pools.values()]
+    try:
+        federate_flow(root=str(project))
+    finally:
+        for w in workers:
+            os.killpg(w.pid, 15)
+            w.wait(timeout=30)
+    fed = _fed(project)
+    assert [sorted(r["sites"]) for r in fed["per_round"]] == [["site_a", "site_b"]] * 2 and not any(r["dropped"] for r in fed["per_round"])
+    assert fed["global_params_sha256"] == local
