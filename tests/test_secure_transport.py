@@ -278,3 +278,65 @@ def test_wire_benchmarks_run_at_tiny_sizes():
     assert bench_wire.bench_quant_mask(1000, num_sites=3, block=64, repeats=1)["total_s"] > 0
     figures = bench_wire.bench_aggregate(num_sites=3, numel=1000, block=64, copy_bytes=1 << 20)
     assert figures["ratio"] > 0 and figures["floor_s"] > 0
+
+
+def _distributed_round(ctx, deltas=DELTAS, tamper_share: str | None = None):
+    """One secure_int8 round with every party its own object: sites hold only their own signing key."""
+    keys = generate_site_keys(ctx.site_ids)
+    sites = {s: SecureInt8Transport({s: keys[s]}, block=BLOCK) for s in ctx.site_ids}
+    aggregator = SecureInt8Transport({}, block=BLOCK)
+    for s in ctx.site_ids:
+        aggregator.register(s, keys[s].public_key())
+        for other in ctx.site_ids:
+            sites[other].register(s, keys[s].public_key())
+    shares = {s: sites[s].key_share(ctx, s) for s in ctx.site_ids}
+    if tamper_share:
+        shares[tamper_share] = bytes([shares[tamper_share][0] ^ 1]) + shares[tamper_share][1:]
+    aggregator.accept_shares(ctx, shares)
+    for s in ctx.site_ids:
+        sites[s].accept_shares(ctx, shares)
+    announcements = {s: sites[s].announce(ctx, s, deltas[s]) for s in ctx.site_ids}
+    aggregator.agree(ctx, announcements)
+    grid = aggregator.grid_message(ctx)
+    payloads = {}
+    for s in ctx.site_ids:
+        sites[s].accept_grid(ctx, grid)
+        payloads[s] = sites[s].encode(ctx, s, deltas[s])
+    return aggregator, payloads
+
+
+def test_parties_holding_only_their_own_keys_give_the_same_bits_as_one_object():
+    ctx = _ctx()
+    aggregator, payloads = _distributed_round(ctx)
+    distributed = _flat(aggregator.aggregate(ctx, payloads))
+    one = SecureInt8Transport(block=BLOCK)
+    _, _, single = _round(one, ctx)
+    assert torch.equal(distributed, _flat(one.aggregate(ctx, single)))
+    assert torch.equal(distributed, _secure_reference(ctx)[0])
+
+
+def test_a_tampered_key_share_is_refused_naming_the_site():
+    with pytest.raises(IntegrityError, match="'b'.*bad Ed25519 signature"):
+        _distributed_round(_ctx(), tamper_share="b")
+
+
+def test_a_site_cannot_sign_for_another_or_swap_its_registered_key():
+    keys = generate_site_keys(("a", "b"))
+    site_a = SecureInt8Transport({"a": keys["a"]}, block=BLOCK)
+    site_a.register("b", keys["b"].public_key())
+    with pytest.raises(ConfigError, match="no Ed25519 signing key for site 'b'"):
+        site_a.key_share(_ctx(("a", "b")), "b")
+    with pytest.raises(IntegrityError, match="'b' presented a different signing key"):
+        site_a.register("b", generate_site_keys(("b",))["b"].public_key())
+
+
+def test_a_grid_message_of_the_wrong_length_is_refused():
+    ctx = _ctx()
+    keys = generate_site_keys(ctx.site_ids)
+    site = SecureInt8Transport({"a": keys["a"]}, block=BLOCK)
+    for s in ctx.site_ids:
+        site.register(s, keys[s].public_key())
+    shares = {s: SecureInt8Transport({s: keys[s]}, block=BLOCK).key_share(ctx, s) for s in ctx.site_ids}
+    site.accept_shares(ctx, shares)
+    with pytest.raises(IntegrityError, match="grid message from the aggregator has 3 bytes"):
+        site.accept_grid(ctx, b"abc")
