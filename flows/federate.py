@@ -109,7 +109,11 @@ def publish_round(r: int, per_site: dict, gauge: dict, dropped: dict, budget_row
             for s, v in sorted(per_site.items())]
     rows += [{"site": s, "drift_angle_deg": None, "drift_angle_max_deg": None, "procrustes_residual": None, "comm_bytes": 0,
               "loss_pred": None, "dropped": reason} for s, reason in sorted(dropped.items())]
-    create_table_artifact(key="federation-round", table=rows, description=f"Round {r}: each site's drift against the global frame and bytes sent")
+    off = [f"{b['name']} {b['status']}" for b in budget_rows if b["status"] != "within"]
+    status = ("all within: " + ", ".join(b["name"] for b in budget_rows)) if not off else "; ".join(off)
+    for row in rows:
+        row["budget_status"] = status
+    create_table_artifact(key="federation-round", table=rows, description=f"Round {r}: each site's drift against the global frame, bytes sent, and the round's budget status")
     budgets = "\n".join(f"| {b['name']} | {b['value']:.4g} | [{b['low']}, {b['high']}] {b['unit']} | {b['status']} |" for b in budget_rows)
     lines = [f"# Federation round {r}", "",
              f"- sites: {len(per_site)} aggregated" + (f", {len(dropped)} dropped ({', '.join(f'{s}: {why}' for s, why in sorted(dropped.items()))})" if dropped else ""),

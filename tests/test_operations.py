@@ -74,6 +74,7 @@ def test_each_round_publishes_prefect_artifacts_and_its_orchestration_overhead(p
     newest = sorted(tables, key=lambda a: a.created)[-1]
     rows = json.loads(newest.data) if isinstance(newest.data, str) else newest.data
     assert {r["site"] for r in rows} == {"site_a", "site_b"} and all(r["comm_bytes"] > 0 for r in rows)
+    assert all("wire_bytes_per_param" in r["budget_status"] for r in rows)
     note = sorted(notes, key=lambda a: a.created)[-1].data
     assert note.startswith("# Federation round 1") and "| budget | value | band | status |" in note
     fed = _fed(project)
