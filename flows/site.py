@@ -27,10 +27,9 @@ def site_round_flow(root: str, site: str, run_id: str, round_idx: int) -> dict:
 def deploy_site(root: Path, site: str) -> UUID:
     """Enrol `site` and register its `site-round` deployment on its work pool; ConfigError if the pool is missing."""
     from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
 
     from lensemble.config import load_params
-    from tasks.sites import deployment_name
+    from tasks.sites import deployment_name, require_work_pool
 
     root = Path(root).resolve()
     p = load_params(root / "params.yaml")
@@ -38,11 +37,7 @@ def deploy_site(root: Path, site: str) -> UUID:
     if entry is None:
         raise ConfigError(f"site {site!r} is not in params.yaml (sites: {[s.name for s in p.data.sites]})")
     with get_client(sync_client=True) as client:
-        try:
-            client.read_work_pool(entry.pool)
-        except ObjectNotFound:
-            raise ConfigError(f"work pool {entry.pool!r} of site {site} does not exist; create it with"
-                              f" `prefect work-pool create {entry.pool} --type process`") from None
+        require_work_pool(client, entry)
     ex = Exchange(exchange_url(p.federate.exchange, root))
     ex.check()
     enrol(Layout(root), ex, site)

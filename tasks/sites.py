@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from prefect import unmapped
 
-from lensemble.config import Params
+from lensemble.config import Params, SiteParams
 from lensemble.errors import ConfigError
 from lensemble.federation.exchange import (
     Exchange, attempt_prefix, exchange_url, pack_json, pack_tensors, round_prefix, unpack_tensors,
@@ -142,6 +142,17 @@ def deployment_name(site: str) -> str:
     return f"site-round/{site.replace('_', '-')}"
 
 
+def require_work_pool(client, site: SiteParams) -> None:
+    """ConfigError naming the site's work pool if the Prefect server does not have it."""
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        client.read_work_pool(site.pool)
+    except ObjectNotFound:
+        raise ConfigError(f"work pool {site.pool!r} of site {site.name} does not exist; create it with"
+                          f" `prefect work-pool create {site.pool} --type process` and start a worker on it") from None
+
+
 def check_sovereign(p: Params, layout: Layout) -> Exchange:
     """Before any round: the exchange answers, and (deployment launch) every site's work pool and deployment exist.
 
@@ -155,11 +166,7 @@ def check_sovereign(p: Params, layout: Layout) -> Exchange:
 
         with get_client(sync_client=True) as client:
             for s in p.data.sites:
-                try:
-                    client.read_work_pool(s.pool)
-                except ObjectNotFound:
-                    raise ConfigError(f"work pool {s.pool!r} of site {s.name} does not exist; create it with"
-                                      f" `prefect work-pool create {s.pool} --type process` and start a worker on it") from None
+                require_work_pool(client, s)
                 try:
                     client.read_deployment_by_name(deployment_name(s.name))
                 except ObjectNotFound:
@@ -175,9 +182,8 @@ class SovereignSites:
         self.p, self.layout, self.transport, self.run_id, self.ex = p, layout, transport, run_id, ex
         self.timeout = p.federate.site_timeout_seconds
         self.attempt = 0
-        self._launched: list = []
+        self._launched: list = []  # (site, task future or deployment flow run)
         self._shares: dict[str, bytes] = {}
-        self.bytes_received = 0
         self.work_seconds = 0.0  # the sites' exchange steps run remotely: their time counts as the protocol's
 
     def _launch(self, r: int, sites: list[str]) -> None:
@@ -185,17 +191,17 @@ class SovereignSites:
             from prefect.deployments import run_deployment
 
             for s in sites:
-                self._launched.append(run_deployment(deployment_name(s), parameters={"run_id": self.run_id, "round_idx": r},
-                                                     timeout=0, as_subflow=True))
+                self._launched.append((s, run_deployment(deployment_name(s), parameters={"run_id": self.run_id, "round_idx": r},
+                                                         timeout=0, as_subflow=True)))
         else:
             from tasks.site_agent import site_round_task
 
-            task = site_round_task.with_options(timeout_seconds=4 * self.timeout + 60)
-            self._launched = [task.submit(str(self.layout.root), s, self.run_id, r) for s in sites]
+            # a site round waits at most one timeout for each of its messages (global, open, roster, grid, done)
+            task = site_round_task.with_options(timeout_seconds=5 * self.timeout + 60)
+            self._launched = [(s, task.submit(str(self.layout.root), s, self.run_id, r)) for s in sites]
 
     def _gather(self, names: dict[str, str], what: str) -> tuple[dict, dict]:
         got = self.ex.gather(names, time.monotonic() + self.timeout)
-        self.bytes_received += sum(len(b) for b in got.values())
         missing = {s: f"ParticipantDropped: no {what} in {self.ex.url} within {self.timeout:.0f} s" for s in names if s not in got}
         return got, missing
 
@@ -205,9 +211,7 @@ class SovereignSites:
         self.attempt = 0
         self.ex.put(f"{prefix}/global.pt", pack_tensors({"state": global_state, "global_probe": global_probe}))
         self._launch(r, sites)
-        wait = wait_seconds(self.p) - self.timeout  # training may be retried at the site like a local task
-        got = self.ex.gather({s: f"{prefix}/{s}/train.pt" for s in sites}, time.monotonic() + max(wait, self.timeout))
-        self.bytes_received += sum(len(b) for b in got.values())
+        got = self.ex.gather({s: f"{prefix}/{s}/train.pt" for s in sites}, time.monotonic() + wait_seconds(self.p))
         trained = {s: unpack_tensors(b) for s, b in got.items()}
         return trained, {s: f"ParticipantDropped: no training result in {self.ex.url}" for s in sites if s not in got}
 
@@ -256,12 +260,12 @@ class SovereignSites:
     def close(self, r: int, sites: list[str]) -> None:
         """Mark the round done (sites stop waiting), then wait for the site runs to end."""
         self.ex.put(f"{round_prefix(self.run_id, r)}/done.json", pack_json({"round": r}))
-        for handle in self._launched:
-            if hasattr(handle, "result"):  # a task future; deployment runs end on their own
-                try:
-                    handle.result(timeout=self.timeout + 30)
-                except Exception:  # the site's failure was already recorded as its dropout
-                    pass
+        for site, handle in self._launched:
+            if hasattr(handle, "wait"):  # a task future; deployment runs end on their own
+                handle.wait(timeout=self.timeout + 30)
+                state = handle.state
+                if not state.is_completed():  # its missing messages already made it a dropout; say why it ended
+                    logging.getLogger("lensemble.sites").warning("site %s round %d: its site run ended %s: %s", site, r, state.name, state.message)
         self._launched = []
         self.work_seconds = 0.0
 
