@@ -3,8 +3,8 @@
     python benchmarks/effective_dim_sweep.py ROOT STEPS SPEC [SPEC ...]
 
 ROOT is a project whose `prepare` stage has run (e.g. the examples/grid-four-sites config). Each
-SPEC is `encoder:sigreg_on:sigreg_weight:sketch_dim:sigreg_tokens`; `nano32` and `nano16` are
-2-block ViTs of width 32 and 16 added here for the sweep only. For each, the Stage A model is
+SPEC is `encoder:sigreg_on:sigreg_weight:sketch_dim:sigreg_tokens` (encoder: any
+`model.encoder` name, e.g. micro, nano32, nano16). For each, the Stage A model is
 trained STEPS steps on the pooled sites from the same seed, and the script prints the mean
 prediction and SIGReg losses, the first and last SIGReg values, and RankMe / participation ratio
 of the public probe's per-frame (token-mean) embeddings, which is what `gauge/effective_dim`
@@ -19,11 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lensemble.model.vit import VIT_CONFIGS, ViTConfig  # noqa: E402
-
-VIT_CONFIGS.setdefault("nano32", ViTConfig(32, 2, 2))
-VIT_CONFIGS.setdefault("nano16", ViTConfig(16, 2, 2))
-
+from lensemble.model.vit import VIT_CONFIGS  # noqa: E402
 from lensemble.config import load_params  # noqa: E402
 from lensemble.gauge import effective_dim, pool_tokens  # noqa: E402
 from lensemble.paths import Layout  # noqa: E402

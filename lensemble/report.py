@@ -77,7 +77,8 @@ def render_markdown(figures: dict, budgets: list[dict], hw_class: str, hardware:
         "## Gauge", "",
         f"- final drift (mean over sites): {g['per_round'][-1]['drift_angle_deg_mean']:.2f}°; residual {g['per_round'][-1]['procrustes_residual_mean']:.3f}",
         f"- Stage B vs Stage A frame: {g['final']['federated_vs_centralized']['drift_angle_deg']:.1f}°, residual {g['final']['federated_vs_centralized']['procrustes_residual']:.3f}",
-        f"- effective dim (RankMe) federated {g['final']['effective_dim']['federated']['rankme']:.1f} of {g['final']['latent_dim']}; "
+        f"- effective dim (RankMe) federated {g['final']['effective_dim']['federated']['rankme']:.1f} of {g['final']['latent_dim']}, "
+        f"lowest over the run {g['effective_dim_fraction_min']:.0%} of the latent dimension; "
         f"collapse tripwire {'TRIPPED' if g['collapse_tripwire'] else 'quiet'}", "",
         "## Closed-loop latent-MPC evaluation", "",
         "| site | embodiment | centralized (pooled) | federated | local-only | random | plan s |", "|---|---|---|---|---|---|---|",

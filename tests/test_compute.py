@@ -86,12 +86,14 @@ def encoder_frame_flops(name: str, image: int, patch: int) -> tuple[int, int]:
     return cfg.depth * (linear + attention), 2 * N * 3 * patch * patch * D
 
 
-def test_encoder_forward_flops_are_the_closed_form():
+@pytest.mark.parametrize("name", ["nano8", "nano16", "nano32", "micro"])
+def test_encoder_forward_flops_are_the_closed_form(name):
     frames = 3
-    enc = ViTEncoder(vit_config("micro"), 16, 8)
+    enc = ViTEncoder(vit_config(name), 16, 8)
     with compute.flop_counter() as counter:
-        enc(torch.randn(1, frames, 3, 16, 16))
-    blocks, patch = encoder_frame_flops("micro", 16, 8)
+        z = enc(torch.randn(1, frames, 3, 16, 16))
+    assert z.shape == (1, frames, 4, vit_config(name).width)
+    blocks, patch = encoder_frame_flops(name, 16, 8)
     assert counter.get_total_flops() == frames * (blocks + patch)
 
 

@@ -63,6 +63,11 @@ def test_pipeline_end_to_end(prefect_server, project):
     assert {"perf/encoder_forward_ms", "perf/predictor_step_fraction", "perf/objective_fraction", "perf/peak_memory_gib"} <= set(by_stage["centralized"])
     assert {"perf/comm_bytes_total", "perf/comm_reduction_vs_synchronous", "perf/gauge_round_fraction"} <= set(by_stage["federate"])
     assert by_stage["federate"]["perf/comm_bytes_total"] == fed["comm_bytes_total"]
+    # the effective-dimension target holds over the whole run: its budget checks the lowest round, not the last
+    gauge = json.loads((reports / "gauge.json").read_text())
+    lowest = min(r["effective_dim"] for r in gauge["per_round"]) / gauge["final"]["latent_dim"]
+    assert gauge["effective_dim_fraction_min"] == lowest
+    assert by_stage["gauge"]["gauge/effective_dim_fraction"] == pytest.approx(lowest, rel=1e-12)
 
 
 def test_two_federations_with_one_seed_are_bitwise_identical(prefect_server, project, tmp_path, monkeypatch):

@@ -4,7 +4,10 @@ Shape legend: B batch, T frames per clip, C channels (3), H/W image side, N toke
 (patches), D latent width.
 
 Configurations follow the ViT paper's family (tiny 192/12/3, small 384/12/6, base 768/12/12,
-large 1024/24/16) plus `micro`, a 2-block width-64 encoder for the CPU walking skeleton.
+large 1024/24/16) plus 2-block encoders for CPU runs: `micro` (width 64, the walking skeleton's
+default) and `nano32` / `nano16` / `nano8` (widths 32, 16, 8): a world with a few degrees of freedom
+spreads its embeddings over a few latent directions, so a narrow latent is the one it keeps well
+used (see examples/grid-four-sites.params.yaml).
 """
 from __future__ import annotations
 
@@ -27,6 +30,9 @@ class ViTConfig:
 
 VIT_CONFIGS: dict[str, ViTConfig] = {
     "micro": ViTConfig(64, 2, 4),
+    "nano32": ViTConfig(32, 2, 2),
+    "nano16": ViTConfig(16, 2, 2),
+    "nano8": ViTConfig(8, 2, 2),
     "tiny": ViTConfig(192, 12, 3),
     "small": ViTConfig(384, 12, 6),
     "base": ViTConfig(768, 12, 12),
