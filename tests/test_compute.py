@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import yaml
 
 from lensemble import compute
 from lensemble.bench import BENCHMARKS, StepSetting, bench_main, bench_params, run_bench, select
-from lensemble.config import parse_params
+from lensemble.config import load_params, parse_params
 from lensemble.errors import ConfigError
 from lensemble.model.vit import ViTEncoder, vit_config
 from lensemble.model.warm_start import validate_warm_start, warm_start_encoder
@@ -261,3 +262,14 @@ def test_patch_that_does_not_divide_the_image_is_a_config_error_naming_both_fiel
         parse_params(raw)
     with pytest.raises(ConfigError, match=r"model\.patch_size 7 must divide data\.image_size 16"):
         ViTEncoder(vit_config("micro"), 16, 7)
+
+
+@pytest.mark.parametrize("path", ["params.yaml", "examples/grid-four-sites.params.yaml"])
+def test_shipped_configs_validate_and_their_encoder_builds(path):
+    """Both shipped configs pass the strict schema, and the encoder each names is the width it declares."""
+    root = Path(__file__).resolve().parents[1]
+    params = load_params(root / path)
+    cfg = vit_config(params.model.encoder)
+    enc = ViTEncoder(cfg, params.data.image_size, params.model.patch_size)
+    z = enc(torch.zeros(1, 1, 3, params.data.image_size, params.data.image_size))
+    assert z.shape[-1] == cfg.width and z.shape[-2] == (params.data.image_size // params.model.patch_size) ** 2
