@@ -4,7 +4,7 @@
 
 ROOT is a project whose `prepare` stage has run (e.g. the examples/grid-four-sites config). Each
 SPEC is `encoder:sigreg_on:sigreg_weight:sketch_dim:sigreg_tokens` (encoder: any
-`model.encoder` name, e.g. micro, nano32, nano16). For each, the Stage A model is
+`model.encoder` name, e.g. micro, nano32, nano16, nano8). For each, the Stage A model is
 trained STEPS steps on the pooled sites from the same seed, and the script prints the mean
 prediction and SIGReg losses, the first and last SIGReg values, and RankMe / participation ratio
 of the public probe's per-frame (token-mean) embeddings, which is what `gauge/effective_dim`

@@ -71,7 +71,7 @@ class DataParams(Section):
 
 
 class ModelParams(Section):
-    encoder: str = Field("micro", description="ViT config name: nano8, nano16, nano32, micro, tiny, small, base, large.")
+    encoder: str = Field("micro", description="ViT config name, a key of VIT_CONFIGS in lensemble/model/vit.py.")
     patch_size: int = Field(8, ge=1, description="Patch side; must divide data.image_size.")
     predictor_width: int = Field(64, ge=8, description="Predictor transformer width.")
     predictor_depth: int = Field(2, ge=1, le=48, description="Predictor transformer blocks.")
