@@ -14,11 +14,15 @@ def centralized_flow(root: str = ".") -> None:
         pre = preflight(ctx.params, ctx.layout, "centralized", ctx.hw_class)
         ctx.extra_manifest.update(preflight=pre["estimate"], compute=pre["compute"], usd_per_hour=pre["usd_per_hour"])
         result = train_centralized(ctx.params, ctx.layout, ctx.out.path("models/centralized.pt"))
-        for i, (p, s) in enumerate(zip(result["losses"]["pred"], result["losses"]["sigreg"])):
+        for i, (p, q, s) in enumerate(zip(result["losses"]["pred"], result["losses"]["proprio"], result["losses"]["sigreg"])):
             ctx.metric("loss/pred", p, step=i)
+            ctx.metric("loss/proprio", q, step=i)
             ctx.metric("loss/sigreg", s, step=i)
+        for point in result["effective_dim_curve"]:
+            ctx.metric("gauge/effective_dim", point["rankme"], step=point["step"])
         ctx.measured["perf/steps_per_second"] = result["steps"] / result["seconds"]
         ctx.measured.update(result["latency"])  # encoder / predictor latency, objective share, peak memory
         ctx.out.write_json("reports/centralized.json", {**result["mean"], "seconds": result["seconds"], "steps": result["steps"],
-                                                        "steps_per_second": result["steps"] / result["seconds"], "latency": result["latency"]})
+                                                        "steps_per_second": result["steps"] / result["seconds"], "latency": result["latency"],
+                                                        "effective_dim_curve": result["effective_dim_curve"]})
         ctx.out.write_json("reports/plots/centralized_loss.json", [{"step": i, "pred": p, "sigreg": s} for i, (p, s) in enumerate(zip(result["losses"]["pred"], result["losses"]["sigreg"]))])

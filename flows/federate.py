@@ -43,7 +43,7 @@ from tasks.federation import aggregate_round, gauge_round
 from tasks.preflight import preflight
 from tasks.runner import stage_run
 from tasks.sites import check_sovereign, make_sites, site_task_options
-from tasks.train import site_adapt_head, train_local_only
+from tasks.train import ROUND_DYNAMICS, site_adapt_head, train_local_only
 
 
 def remove_checkpoint(ckpt_path: Path, sites_root: Path, sites: list[str]) -> None:
@@ -213,7 +213,8 @@ def federate_flow(root: str = ".") -> None:
                 per_site[s] = {"comm_bytes": nbytes, "payload_bytes": len(res["payloads"][s]), "encode_seconds": res["encode_seconds"][s], **m}
                 ctx.metric("fed/comm_bytes", nbytes, step=r, round_idx=r, participant=s)
                 ctx.metric("fed/quant_ratio", len(res["payloads"][s]) / (4 * numel), step=r, round_idx=r, participant=s)
-                for name in ("loss/pred", "loss/sigreg", "loss/anchor", "gauge/drift_angle_deg", "gauge/drift_angle_max_deg", "gauge/procrustes_residual"):
+                for name in ("loss/pred", "loss/proprio", "loss/sigreg", "loss/anchor", "gauge/drift_angle_deg", "gauge/drift_angle_max_deg",
+                             "gauge/procrustes_residual", *ROUND_DYNAMICS):
                     ctx.metric(name, m[name], step=r, round_idx=r, participant=s)
             for s in dropped:
                 ctx.metric("perf/site_dropouts", 1.0, step=r, round_idx=r, participant=s)

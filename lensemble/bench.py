@@ -49,7 +49,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from lensemble import compute
-from lensemble.config import DataParams, ModelParams, ObjectiveParams, Params, SiteParams, TrainParams
+from lensemble.config import CemParams, DataParams, EvaluateParams, ModelParams, ObjectiveParams, Params, SiteParams, TrainParams
 from lensemble.data.episodes import Episodes
 from lensemble.data.windows import WindowSampler
 from lensemble.errors import ConfigError, LensembleError
@@ -96,6 +96,7 @@ def bench_params(s: StepSetting) -> Params:
         model=ModelParams(encoder=s.encoder, patch_size=s.patch_size),
         objective=ObjectiveParams(probe_batch=s.probe_batch),
         train=TrainParams(batch_size=s.batch_size, precision=s.precision),
+        evaluate=EvaluateParams(cem=CemParams(horizon=s.num_steps - 1, context=1)),  # a plan the Window's positions cover
     )
 
 
@@ -170,7 +171,7 @@ def step_fixture(params: Params) -> StepFixture:
     )
     probe = torch.rand(params.objective.probe_batch, 3, H, H, generator=torch.Generator().manual_seed(1)) * 2 - 1
     global_probe = encode_frames(model, probe)
-    return StepFixture(params, model, make_optimizer(model, params.train), WindowSampler(eps, params.data.num_steps), probe, global_probe)
+    return StepFixture(params, model, make_optimizer(model, params.train), WindowSampler(eps, params.data.num_steps, params.model.proprio_dim), probe, global_probe)
 
 
 def step_seconds(fx: StepFixture, steps: int) -> float:

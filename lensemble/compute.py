@@ -63,6 +63,7 @@ class StepShape:
     pred_depth: int
     pred_heads: int
     action_embed: int  # A
+    proprio: int  # Q padded proprio width
     probe: int  # P probe frames (0: no anchor term)
     sigreg_tokens: int  # n embeddings SIGReg tests (tokens, or one pooled per frame)
     directions: int  # M
@@ -86,7 +87,7 @@ def step_shape(params: Params, anchor: bool | None = None) -> StepShape:
     return StepShape(
         batch=B, frames=T, image=params.data.image_size, tokens=tokens, width=cfg.width, depth=cfg.depth,
         heads=cfg.heads, pred_width=params.model.predictor_width, pred_depth=params.model.predictor_depth,
-        pred_heads=params.model.predictor_heads, action_embed=params.model.action_dim,
+        pred_heads=params.model.predictor_heads, action_embed=params.model.action_dim, proprio=params.model.proprio_dim,
         probe=params.objective.probe_batch if use_anchor else 0,
         sigreg_tokens=B * T if params.objective.sigreg_on == "frames" else min(params.objective.sigreg_tokens, B * T * tokens),
         directions=params.objective.sketch_dim,
@@ -162,6 +163,8 @@ class StepInputs:
 
     frames_BTCHW: torch.Tensor
     actions_BTK: torch.Tensor
+    proprio_BTQ: torch.Tensor
+    proprio_valid: int
     directions_DM: torch.Tensor
     sigreg_index: torch.Tensor | None
     probe_PCHW: torch.Tensor | None
@@ -182,15 +185,17 @@ def step_inputs(model: WorldModel, shape: StepShape, embodiment: str, gen: torch
     index = torch.arange(shape.sigreg_tokens, device=device) if B * T * N > shape.sigreg_tokens else None
     probe = rand(shape.probe, 3, H, H) if shape.probe else None
     global_probe = rand(shape.probe, N, D) if shape.probe else None
-    return StepInputs(rand(B, T, 3, H, H), rand(B, T, k), rand(D, shape.directions), index, probe, global_probe)
+    q = model.predictor.proprio_dim
+    return StepInputs(rand(B, T, 3, H, H), rand(B, T, k), rand(B, T, q), q, rand(D, shape.directions), index, probe, global_probe)
 
 
 def step_loss(model: WorldModel, params: Params, inputs: StepInputs, embodiment: str) -> torch.Tensor:
     """`world_model_loss(...).total` of one step, exactly as `train_steps` calls it."""
     obj = params.objective
     return world_model_loss(
-        model.encoder, model.predictor, model.action_heads[embodiment], inputs.frames_BTCHW, inputs.actions_BTK,
-        inputs.directions_DM, inputs.sigreg_index, sigreg_weight=obj.sigreg_weight,
+        model.encoder, model.predictor, model.action_heads[embodiment], inputs.frames_BTCHW, inputs.actions_BTK, inputs.proprio_BTQ,
+        inputs.directions_DM, inputs.sigreg_index, proprio_valid=inputs.proprio_valid, proprio_weight=obj.proprio_weight,
+        sigreg_weight=obj.sigreg_weight,
         anchor_weight=obj.anchor_weight, num_knots=obj.num_knots,
         t_max=obj.t_max, rollout_steps=obj.rollout_steps, sigreg_on=obj.sigreg_on, probe_PCHW=inputs.probe_PCHW,
         global_probe_PND=inputs.global_probe_PND,
@@ -246,15 +251,24 @@ def encoder_activation_bytes(s: StepShape, frames: int) -> int:
 
 
 def predictor_activation_bytes(s: StepShape, steps: int) -> int:
-    """One teacher-forced predictor pass over `steps` time steps of B sequences, with its MSE inputs."""
-    seq = steps * (s.tokens + 1)
+    """One block-causal predictor pass over `steps` time steps of B sequences (N frame tokens, one proprio
+    and one action token each), with its MSE inputs; no mask for a single step."""
+    seq = steps * (s.tokens + 2)
     blocks = s.batch * s.pred_depth * block_activation_bytes(seq, s.pred_width, s.pred_heads, s.working_bytes)
-    mask = s.pred_depth * seq * seq * s.working_bytes  # the boolean mask, made additive per block
-    rows = s.batch * steps * s.tokens
-    io = rows * s.width * s.working_bytes + s.batch * steps * s.action_embed * s.working_bytes  # inp, act inputs
+    mask = s.pred_depth * seq * seq * s.working_bytes if steps > 1 else 0  # the boolean mask, made additive per block
+    rows, step_rows = s.batch * steps * s.tokens, s.batch * steps
+    io = (rows * s.width + step_rows * (s.action_embed + s.proprio)) * s.working_bytes  # inp, act, proprio_in inputs
     io += s.batch * seq * s.pred_width * FP32 + s.batch * seq * 2 * FP32  # final norm input, stats
-    io += rows * s.pred_width * s.working_bytes + rows * s.width * FP32  # out input, prediction (fp32 for MSE)
+    io += (rows + step_rows) * s.pred_width * s.working_bytes  # out and proprio_out inputs
+    io += (rows * s.width + step_rows * s.proprio) * FP32  # residual predictions (fp32 for MSE)
     return blocks + mask + io
+
+
+def cached_step_activation_bytes(s: StepShape, total_steps: int) -> int:
+    """One cached rollout step: a one-step pass whose attention also reads the cached keys/values; the
+    concatenated keys and values of all `total_steps` steps are new tensors every block saves."""
+    kv = s.pred_depth * s.batch * 2 * total_steps * (s.tokens + 2) * s.pred_width * s.working_bytes
+    return predictor_activation_bytes(s, 1) + kv
 
 
 def sigreg_activation_bytes(s: StepShape) -> int:
@@ -264,7 +278,11 @@ def sigreg_activation_bytes(s: StepShape) -> int:
 
 def activation_bytes(s: StepShape) -> dict[str, int]:
     """Saved-for-backward bytes of one step, by term (shape formula; see the functions above)."""
-    rollout = sum(predictor_activation_bytes(s, j) for j in range(1, s.rollout + 1))
+    # the rollout term: one pass over the T − k context steps, then k − 1 cached steps
+    context = s.frames - s.rollout
+    rollout = 0
+    if s.rollout:
+        rollout = predictor_activation_bytes(s, context) + sum(cached_step_activation_bytes(s, context + j) for j in range(1, s.rollout))
     terms = {
         "encoder": encoder_activation_bytes(s, s.batch * s.frames),
         "predictor": predictor_activation_bytes(s, s.frames - 1) + rollout,
@@ -280,9 +298,9 @@ def activation_bytes(s: StepShape) -> dict[str, int]:
 
 
 def input_bytes(s: StepShape, action_dim: int) -> int:
-    """The step's batch: frames and actions (fp32), and the probe batch with its global embeddings."""
+    """The step's batch: frames, actions and padded proprio (fp32), and the probe batch with its global embeddings."""
     frame = 3 * s.image**2 * FP32
-    batch = s.batch * s.frames * (frame + action_dim * FP32)
+    batch = s.batch * s.frames * (frame + (action_dim + s.proprio) * FP32)
     return batch + s.probe * (frame + s.tokens * s.width * FP32)
 
 

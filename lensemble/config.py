@@ -77,6 +77,7 @@ class ModelParams(Section):
     predictor_depth: int = Field(2, ge=1, le=48, description="Predictor transformer blocks.")
     predictor_heads: int = Field(4, ge=1, description="Predictor attention heads.")
     action_dim: int = Field(32, ge=1, description="d_a, the shared action-embedding width.")
+    proprio_dim: int = Field(16, ge=1, le=256, description="Width every embodiment's proprioception is zero-padded to before the federated proprio encoder; >= the largest embodiment's.")
     warm_start: str | None = Field(None, description="Local checkpoint (path) whose encoder weights initialise the encoder; None: random init.")
 
     @field_validator("encoder")
@@ -93,11 +94,13 @@ class ObjectiveParams(Section):
     sigreg_weight: float = Field(0.05, ge=0.0, description="λ_sig.")
     anchor_weight: float = Field(0.1, ge=0.0, description="λ_anc (federated training only).")
     sketch_dim: int = Field(64, ge=1, le=4096, description="SIGReg random directions.")
-    sigreg_on: Literal["tokens", "frames"] = Field("tokens", description="SIGReg on token embeddings or on per-frame pooled embeddings.")
+    sigreg_on: Literal["tokens", "frames", "centered_tokens"] = Field(
+        "tokens", description="SIGReg on token embeddings, on per-frame pooled embeddings, or on token embeddings minus their position's batch mean (the layout-free part).")
     sigreg_tokens: int = Field(512, ge=16, description="Token embeddings per step that SIGReg tests (a seeded random subset).")
     num_knots: int = Field(17, ge=3, le=1025, description="Epps-Pulley quadrature points.")
     t_max: float = Field(3.0, gt=0.0, le=20.0, description="Upper end of the quadrature interval.")
-    rollout_steps: int = Field(1, ge=0, description="Autoregressive rollout steps in L_pred.")
+    rollout_steps: int = Field(1, ge=0, description="Autoregressive rollout steps in L_pred: the Window's last k steps predicted from the steps before them.")
+    proprio_weight: float = Field(1.0, ge=0.0, description="λ_prop: weight of the proprioception prediction error (normalised units).")
     probe_batch: int = Field(4, ge=1, description="Probe frames per step for L_anchor (a small share of the batch keeps the anchor cheap).")
 
 
@@ -143,6 +146,7 @@ class CemParams(Section):
     elites: int = Field(8, ge=1, description="Elites kept per iteration.")
     iterations: int = Field(3, ge=1, description="CEM iterations per plan.")
     horizon: int = Field(3, ge=1, description="Planned steps.")
+    context: int = Field(1, ge=1, description="Observations (frames + proprio) of history the planner starts from; context + horizon <= data.num_steps.")
     execute_steps: int = Field(1, ge=1, description="Planned actions executed before replanning (receding horizon).")
 
     @model_validator(mode="after")
@@ -158,6 +162,7 @@ class EvaluateParams(Section):
     episodes: int = Field(10, ge=1, description="Closed-loop episodes per embodiment and model.")
     max_steps: int = Field(25, ge=1, description="Environment steps per episode.")
     cem: CemParams = Field(default_factory=CemParams)
+    success: dict[str, str] = Field(default_factory=dict, description="Success criterion per embodiment (a name from its `success_criteria`); unnamed embodiments use their first.")
 
 
 class ServeParams(Section):
@@ -201,10 +206,29 @@ class Params(Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Params":
+        from lensemble.sim.registry import EMBODIMENTS, embodiment_class
+
         if self.data.image_size % self.model.patch_size:
             raise ValueError(
                 f"model.patch_size ({self.model.patch_size}) must divide data.image_size ({self.data.image_size})"
             )
+        cem = self.evaluate.cem
+        if cem.context + cem.horizon > self.data.num_steps:
+            raise ValueError(f"evaluate.cem.context ({cem.context}) + evaluate.cem.horizon ({cem.horizon}) exceeds data.num_steps "
+                             f"({self.data.num_steps}), the time positions the predictor is trained on; shorten the plan or train longer Windows")
+        if self.objective.rollout_steps >= self.data.num_steps:
+            raise ValueError(f"objective.rollout_steps ({self.objective.rollout_steps}) must be < data.num_steps ({self.data.num_steps})")
+        used = {s.embodiment for s in self.data.sites}
+        for name, criterion in self.evaluate.success.items():
+            if name not in EMBODIMENTS:
+                raise ValueError(f"evaluate.success: unknown embodiment {name!r}; known: {sorted(EMBODIMENTS)}")
+            known = embodiment_class(name).success_criteria
+            if criterion not in known:
+                raise ValueError(f"evaluate.success.{name}: unknown success criterion {criterion!r}; {name} knows {list(known)}")
+        for name in sorted(used):
+            p = embodiment_class(name).proprio_dim
+            if p > self.model.proprio_dim:
+                raise ValueError(f"model.proprio_dim ({self.model.proprio_dim}) is smaller than {name}'s proprioception ({p})")
         return self
 
     def hash(self) -> str:

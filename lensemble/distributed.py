@@ -42,7 +42,7 @@ from lensemble.config import ObjectiveParams, TrainParams
 from lensemble.data.windows import WindowSampler
 from lensemble.errors import ConfigError
 from lensemble.model.world_model import WorldModel
-from lensemble.objectives.losses import LossTerms, anchor_loss, prediction_loss
+from lensemble.objectives.losses import LossTerms, anchor_loss, prediction_loss, sigreg_tokens
 from lensemble.objectives.sigreg import sigreg
 from lensemble.training import StepDraws, StepLog, autocast_context
 
@@ -72,6 +72,8 @@ def sharded_world_model_loss(
     head: nn.Module,
     frames_bTCHW: torch.Tensor,
     actions_bTK: torch.Tensor,
+    proprio_bTQ: torch.Tensor,
+    proprio_valid: int,
     directions_DM: torch.Tensor,
     sigreg_index: torch.Tensor | None,
     objective: ObjectiveParams,
@@ -85,21 +87,16 @@ def sharded_world_model_loss(
     SIGReg sees differs (global instead of local), see the module docstring.
     """
     z = encoder(frames_bTCHW)  # [b, T, N, D]
-    pred = prediction_loss(predictor, z, head(actions_bTK), objective.rollout_steps)
+    pred, prop = prediction_loss(predictor, z, proprio_bTQ, head(actions_bTK), objective.rollout_steps, proprio_valid)
     z_all = gather_rows(z, group)  # [B, T, N, D]
-    if objective.sigreg_on == "frames":
-        tokens = z_all.mean(2).flatten(0, 1)  # [B*T, D]
-    else:
-        tokens = z_all.flatten(0, 2)  # [B*T*N, D]
-        if sigreg_index is not None:
-            tokens = tokens[sigreg_index]
-    reg = sigreg(tokens, directions_DM, objective.num_knots, objective.t_max)
+    reg = sigreg(sigreg_tokens(z_all, objective.sigreg_on, sigreg_index), directions_DM, objective.num_knots, objective.t_max)
     if probe_PCHW is not None and global_probe_PND is not None and objective.anchor_weight > 0:
         anc = anchor_loss(encoder, probe_PCHW, global_probe_PND)
     else:
         anc = torch.zeros((), dtype=pred.dtype)
-    total = pred.float() + objective.sigreg_weight * reg.float() + objective.anchor_weight * anc.float()
-    return LossTerms(total, pred.detach(), reg.detach(), anc.detach())
+    total = (pred.float() + objective.proprio_weight * prop.float() + objective.sigreg_weight * reg.float()
+             + objective.anchor_weight * anc.float())
+    return LossTerms(total, pred.detach(), prop.detach(), reg.detach(), anc.detach())
 
 
 class SiteLoss(nn.Module):
@@ -115,10 +112,10 @@ class SiteLoss(nn.Module):
         self.predictor = model.predictor
         self.heads = nn.ModuleDict({e: model.action_heads[e] for e in sorted(set(embodiments))})
 
-    def forward(self, embodiment: str, frames_bTCHW, actions_bTK, directions_DM, sigreg_index, objective: ObjectiveParams,
-                group: dist.ProcessGroup, probe_PCHW=None, global_probe_PND=None) -> LossTerms:
-        return sharded_world_model_loss(self.encoder, self.predictor, self.heads[embodiment], frames_bTCHW, actions_bTK, directions_DM,
-                                        sigreg_index, objective, group, probe_PCHW, global_probe_PND)
+    def forward(self, embodiment: str, frames_bTCHW, actions_bTK, proprio_bTQ, proprio_valid: int, directions_DM, sigreg_index,
+                objective: ObjectiveParams, group: dist.ProcessGroup, probe_PCHW=None, global_probe_PND=None) -> LossTerms:
+        return sharded_world_model_loss(self.encoder, self.predictor, self.heads[embodiment], frames_bTCHW, actions_bTK, proprio_bTQ,
+                                        proprio_valid, directions_DM, sigreg_index, objective, group, probe_PCHW, global_probe_PND)
 
 
 def shard_fsdp(model: WorldModel, mesh=None) -> WorldModel:
@@ -182,15 +179,16 @@ def ddp_train_steps(
     log = StepLog()
     draws = StepDraws(run_seed, round_idx, data_key)  # the same draws as train_steps, on every rank
     for step in range(steps):
-        embodiment, frames, actions, directions, sig_index, probe, global_probe = draws.draw(
+        embodiment, sampler, frames, actions, proprio, directions, sig_index, probe, global_probe = draws.draw(
             step, samplers, model, train, objective, probe_PCHW, global_probe_PND)
         with autocast_context(train.precision):
-            terms = loss_module(embodiment, shard_rows(frames, rank, world), shard_rows(actions, rank, world), directions, sig_index,
-                                objective, gather_group, probe, global_probe)
+            terms = loss_module(embodiment, shard_rows(frames, rank, world), shard_rows(actions, rank, world), shard_rows(proprio, rank, world),
+                                sampler.proprio_valid, directions, sig_index, objective, gather_group, probe, global_probe)
         optimizer.zero_grad(set_to_none=True)
         terms.total.backward()
         optimizer.step()
         log.pred.append(float(terms.pred))
+        log.proprio.append(float(terms.proprio))
         log.sigreg.append(float(terms.sigreg))
         log.anchor.append(float(terms.anchor))
     pred = torch.tensor(log.pred, dtype=torch.float64)

@@ -1,18 +1,37 @@
-"""Closed-loop evaluation: plan in latent space, act in the simulator, replan; success with a 95% CI."""
+"""Closed-loop evaluation: plan, act in the simulator, replan; success with a 95% CI.
+
+Three kinds of agent run the same episodes (same seeds, same start states and goals):
+- a world model: CEM in latent space from the last `context` observations (frames + proprio) and
+  the actions between them, scored by the energy to the goal observation (`goal_energy`);
+- the oracle: the same CEM with the true simulator as the model (snapshot, roll out, restore) and
+  the success criterion's own distance as the energy: what the protocol allows a perfect model;
+- random actions: the floor.
+
+The goal is an observation (a frame and the robot's proprioception there), never simulator state;
+only the oracle reads the state, by definition.
+
+Shape legend: S CEM samples, H horizon, C context, K action dim, N tokens, D latent width, Q proprio width.
+"""
 from __future__ import annotations
 
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
 
-from lensemble.data.windows import frames_to_tensor
+from lensemble.data.windows import frames_to_tensor, proprio_features
+from lensemble.errors import DataError
 from lensemble.model.predictor import rollout
 from lensemble.model.world_model import WorldModel
 from lensemble.planning.cem import CEMConfig, cem_plan, shift_plan
 from lensemble.sim.base import Embodiment
+
+ORACLE = "oracle"
+Agent = WorldModel | Literal["oracle"] | None  # None: random actions
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -26,68 +45,155 @@ def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float,
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def latent_cost(goal_ND: torch.Tensor):
-    """Energy: mean squared distance of each predicted final latent to the goal latent."""
+@dataclass(frozen=True)
+class GoalObservation:
+    """What the planner is given as the goal: a frame [H, W, 3] uint8 and the proprioception there [p]."""
 
-    def cost(final_SND: torch.Tensor) -> torch.Tensor:
-        return (final_SND - goal_ND[None]).square().mean(dim=(1, 2))
+    frame: np.ndarray
+    proprio: np.ndarray | None
+
+
+def check_goal(goal: GoalObservation, env: Embodiment) -> None:
+    """DataError naming what is wrong with a goal observation for `env`'s embodiment."""
+    size = env.image_size
+    if goal.frame.shape != (size, size, 3) or goal.frame.dtype != np.uint8:
+        raise DataError(f"goal frame for {env.name} must be ({size}, {size}, 3) uint8, got {goal.frame.shape} {goal.frame.dtype}")
+    if env.proprio_dim and goal.proprio is None:
+        raise DataError(f"goal for {env.name} has no proprioception; {env.name} records {env.proprio_dim} components: give the goal's proprio")
+    if goal.proprio is not None and np.shape(goal.proprio) != (env.proprio_dim,):
+        raise DataError(f"goal proprioception for {env.name} must have shape ({env.proprio_dim},), got {np.shape(goal.proprio)}")
+
+
+def goal_observation(env: Embodiment) -> GoalObservation:
+    """The current episode's goal as an observation, checked."""
+    goal = GoalObservation(env.goal_frame(), env.goal_proprio())
+    check_goal(goal, env)
+    return goal
+
+
+def energy_weights(env: Embodiment, width: int) -> tuple[float, torch.Tensor]:
+    """(visual weight, proprio weights [Q]) of the goal energy, from the embodiment's success criterion."""
+    w = torch.zeros(width)
+    weights = env.goal_proprio_weights or (1.0,) * env.proprio_dim
+    w[: len(weights)] = torch.tensor(weights, dtype=torch.float32)
+    return float(env.goal_visual_weight), w
+
+
+def goal_energy(goal_z_ND: torch.Tensor, goal_q_Q: torch.Tensor, visual_weight: float, proprio_weights_Q: torch.Tensor):
+    """Energy of predicted final observations: visual_weight · mean (ẑ − z_g)² + Σ_j w_j (q̂_j − q_g,j)² / Σ_j w_j."""
+    w_sum = float(proprio_weights_Q.sum())
+
+    def cost(final: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        z_SND, q_SQ = final
+        e = visual_weight * (z_SND - goal_z_ND[None]).square().mean(dim=(1, 2))
+        if w_sum > 0:
+            e = e + ((q_SQ - goal_q_Q[None]).square() * proprio_weights_Q[None]).sum(1) / w_sum
+        return e  # [S]
 
     return cost
 
 
-def model_rollout_fn(model: WorldModel, embodiment: str, z0_ND: torch.Tensor):
-    """Callable for CEM: actions [S, H, K] → predicted final latents [S, N, D]."""
+def model_rollout_fn(model: WorldModel, embodiment: str, z_CND: torch.Tensor, q_CQ: torch.Tensor, past_CK: torch.Tensor):
+    """Callable for CEM: actions [S, H, K] → predicted final observation (ẑ [S, N, D], q̂ [S, Q]).
 
-    def run(actions_SHK: torch.Tensor) -> torch.Tensor:
-        act = model.action_heads[embodiment](actions_SHK)
-        z0 = z0_ND[None].expand(actions_SHK.shape[0], -1, -1)
-        return rollout(model.predictor, z0, act)[:, -1]
+    `past_CK` holds the C − 1 actions taken between the context's observations (C ≥ 1)."""
+
+    def run(actions_SHK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        S = actions_SHK.shape[0]
+        acts = torch.cat([past_CK[None].expand(S, -1, -1), actions_SHK], dim=1)  # [S, C-1+H, K]
+        z, q = rollout(model.predictor, z_CND[None].expand(S, -1, -1, -1), q_CQ[None].expand(S, -1, -1), model.action_heads[embodiment](acts))
+        return z[:, -1], q[:, -1]
 
     return run
 
 
+def oracle_rollout_fn(env: Embodiment):
+    """Callable for CEM: actions [S, H, K] → the success criterion's distance after the true simulator runs them [S]."""
+
+    def run(actions_SHK: torch.Tensor) -> torch.Tensor:
+        start = env.snapshot()
+        costs = torch.empty(actions_SHK.shape[0])
+        for s, seq in enumerate(actions_SHK.numpy()):
+            for a in seq:
+                env.step(a)
+            costs[s] = env.goal_distance()
+            env.restore(start)
+        return costs
+
+    return run
+
+
+@dataclass
+class History:
+    """The episode so far as the world model reads it: latents [t, N, D], proprio features [t, Q], actions [t, K]."""
+
+    z: list[torch.Tensor]
+    q: list[torch.Tensor]
+    actions: list[torch.Tensor]
+
+    def context(self, c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The last ≤ c observations and the actions between them."""
+        n = min(c, len(self.z))
+        past = self.actions[len(self.actions) - (n - 1):] if n > 1 else []
+        past_CK = torch.stack(past) if past else torch.zeros(0, self.actions[0].shape[0] if self.actions else 0)
+        return torch.stack(self.z[-n:]), torch.stack(self.q[-n:]), past_CK
+
+
 @torch.no_grad()
-def run_episode(env: Embodiment, seed: int, max_steps: int, model: WorldModel | None, cfg: CEMConfig, gen: torch.Generator,
-                execute_steps: int = 1) -> tuple[bool, list[float]]:
-    """One closed-loop episode; random actions when `model` is None. Returns (success, plan seconds).
+def run_episode(env: Embodiment, seed: int, max_steps: int, agent: Agent, cfg: CEMConfig, gen: torch.Generator,
+                execute_steps: int = 1, context: int = 1, proprio_width: int = 16) -> tuple[bool, list[float]]:
+    """One closed-loop episode. Returns (success, plan seconds).
 
     Receding horizon: plan H actions, execute the first `execute_steps` in the simulator, replan
-    from the new observation with the rest of the plan as the warm start.
+    from the new observation history with the rest of the plan as the warm start.
     """
-    env.reset(seed)
+    env.reset_eval(seed)
     rng = np.random.default_rng(seed)
     plan_seconds: list[float] = []
-    plan = None
-    queued: list[np.ndarray] = []
-    goal = None
-    if model is not None:
-        model.eval()
-        goal = model.encoder(frames_to_tensor(env.goal_frame())[None, None])[0, 0]  # [N, D]
+    plan, queued = None, []
+    is_model = isinstance(agent, WorldModel)
+    hist = History([], [], [])
+    if is_model:
+        agent.eval()
+        goal = goal_observation(env)
+        goal_z = agent.encoder(frames_to_tensor(goal.frame)[None, None])[0, 0]  # [N, D]
+        goal_q = proprio_features(goal.proprio, env.name, proprio_width)
+        cost = goal_energy(goal_z, goal_q, *energy_weights(env, proprio_width))
     for _ in range(max_steps):
         if env.success():
             return True, plan_seconds
-        if model is None:
+        if is_model:
+            hist.z.append(agent.encoder(frames_to_tensor(env.render())[None, None])[0, 0])
+            hist.q.append(proprio_features(env.proprio(), env.name, proprio_width))
+        if agent is None:
             action = env.random_action(rng)
         else:
             if not queued:
                 t0 = time.perf_counter()
-                z0 = model.encoder(frames_to_tensor(env.render())[None, None])[0, 0]
-                plan, _ = cem_plan(model_rollout_fn(model, env.name, z0), latent_cost(goal), env.action_dim, cfg, gen, plan)
+                if is_model:
+                    z_c, q_c, past = hist.context(context)
+                    if past.shape[1] == 0:
+                        past = torch.zeros(0, env.action_dim)
+                    plan, _ = cem_plan(model_rollout_fn(agent, env.name, z_c, q_c, past), cost, env.action_dim, cfg, gen, plan)
+                else:
+                    plan, _ = cem_plan(oracle_rollout_fn(env), lambda d: d, env.action_dim, cfg, gen, plan)
                 plan_seconds.append(time.perf_counter() - t0)
-                queued = [plan[i].numpy() for i in range(execute_steps)]
+                queued = [plan[i].clone() for i in range(execute_steps)]
                 for _ in range(execute_steps):
                     plan = shift_plan(plan)
-            action = queued.pop(0)
+            action = queued.pop(0).numpy()
+        if is_model:
+            hist.actions.append(torch.as_tensor(np.clip(action, -1.0, 1.0), dtype=torch.float32))
         env.step(action)
     return env.success(), plan_seconds
 
 
-def evaluate(env: Embodiment, seeds: Sequence[int], max_steps: int, model: WorldModel | None, cfg: CEMConfig, gen: torch.Generator,
-             execute_steps: int = 1) -> dict[str, float]:
+def evaluate(env: Embodiment, seeds: Sequence[int], max_steps: int, agent: Agent, cfg: CEMConfig, gen: torch.Generator,
+             execute_steps: int = 1, context: int = 1, proprio_width: int = 16) -> dict[str, float]:
     """Success rate, its Wilson 95% CI and mean plan time over the given episode seeds."""
     wins, times = 0, []
     for seed in seeds:
-        ok, t = run_episode(env, seed, max_steps, model, cfg, gen, execute_steps)
+        ok, t = run_episode(env, seed, max_steps, agent, cfg, gen, execute_steps, context, proprio_width)
         wins += int(ok)
         times.extend(t)
     low, high = wilson_interval(wins, len(seeds))

@@ -63,6 +63,15 @@ def effective_dim(z_ND: torch.Tensor) -> dict[str, float]:
     return {"rankme": rankme, "participation_ratio": pr}
 
 
+def collapse_tripwire(federated: list[float], pooled: list[float], drop_fraction: float) -> bool:
+    """True when any round's federated effective dimension falls below (1 − drop_fraction) × the pooled model's
+    at the same point of training: collapse is read against what the pooled data supports, not against round 1
+    (a run that starts collapsed and partly recovers would never trip a round-1 reference)."""
+    if len(federated) != len(pooled):
+        raise ValueError(f"{len(federated)} federated rounds but {len(pooled)} pooled checkpoints")
+    return any(f < (1.0 - drop_fraction) * p for f, p in zip(federated, pooled))
+
+
 def sample_pairs(sites: list[str], num_pairs: int, rng: np.random.Generator) -> list[tuple[str, str]]:
     """A fixed-size sample of distinct site pairs (never all O(C²) when C is large)."""
     all_pairs = [(a, b) for i, a in enumerate(sites) for b in sites[i + 1 :]]

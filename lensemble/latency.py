@@ -45,7 +45,8 @@ def component_latency(model: WorldModel, params: Params, step_seconds: float, re
             encoder_s = best_seconds(lambda: model.encoder(clip_BTCHW), repeats)
             z_BTND = model.encoder(clip_BTCHW[:, :1])
             act_BTA = torch.zeros(1, 1, params.model.action_dim)
-            predictor_s = best_seconds(lambda: model.predictor(z_BTND, act_BTA), repeats)
+            q_BTQ = torch.zeros(1, 1, params.model.proprio_dim)
+            predictor_s = best_seconds(lambda: model.predictor(z_BTND, q_BTQ, act_BTA), repeats)
     finally:
         model.train(was_training)
     shape, obj = step_shape(params), params.objective

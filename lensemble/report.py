@@ -59,6 +59,27 @@ def plot_ablation(points: list[dict], drift_path: Path, success_path: Path) -> N
         plt.close(fig)
 
 
+def dynamics_lines(f: dict, e: dict) -> list[str]:
+    """The dynamics diagnostics: final models (evaluate) and the global model entering each round (sites)."""
+    lines = ["## Dynamics diagnostics (held-out probe episodes)", "",
+             "Rollout error over copying the last context observation (< 1: better than 'nothing moves'), action sensitivity "
+             "(error with shuffled actions ÷ with the real ones; 1: actions ignored), linear-probe R² of the state from the embedding.", "",
+             "| site | model | latent 1-step ÷ copy | latent H-step ÷ copy | proprio 1-step ÷ copy | action sens. latent | action sens. proprio | probe R² |",
+             "|---|---|---|---|---|---|---|---|"]
+    for site, r in e["sites"].items():
+        for model, d in r.get("diagnostics", {}).items():
+            lines.append(f"| {site} | {model} | {d['rollout_vs_copy'][0]:.3f} | {d['rollout_vs_copy'][-1]:.3f} | {d['rollout_vs_copy_proprio'][0]:.3f} | "
+                         f"{d['action_sensitivity']:.2f} | {d['action_sensitivity_proprio']:.2f} | {d['probe_r2']:.3f} |")
+    lines += ["", "Global model entering each round (computed at each site with its own head):", "",
+              "| round | site | latent 1-step ÷ copy | action sens. latent | action sens. proprio | probe R² |", "|---|---|---|---|---|---|"]
+    for r in f["per_round"]:
+        for site, m in r["sites"].items():
+            if "eval/rollout_vs_copy" in m:
+                lines.append(f"| {r['round']} | {site} | {m['eval/rollout_vs_copy']:.3f} | {m['eval/action_sensitivity']:.2f} | "
+                             f"{m['eval/action_sensitivity_proprio']:.2f} | {m['eval/probe_r2']:.3f} |")
+    return lines
+
+
 def render_markdown(figures: dict, budgets: list[dict], hw_class: str, hardware: str) -> str:
     """The report text."""
     c, f, g, e = figures["centralized"], figures["federate"], figures["gauge"], figures["eval"]
@@ -67,7 +88,7 @@ def render_markdown(figures: dict, budgets: list[dict], hw_class: str, hardware:
         f"Hardware class `{hw_class}` — {hardware}", "",
         "## Stage A — centralized (pooled)", "",
         f"- steps: {c['steps']}, {c['steps_per_second']:.1f} steps/s, {c['seconds']:.1f} s",
-        f"- mean loss/pred {c['loss/pred']:.4f}, loss/sigreg {c['loss/sigreg']:.4f}", "",
+        f"- mean loss/pred {c['loss/pred']:.4f}, loss/proprio {c.get('loss/proprio', float('nan')):.4f}, loss/sigreg {c['loss/sigreg']:.4f}", "",
         "## Stage B — federated (DiLoCo)", "",
         f"- transport `{f['transport']}`, {len(f['sites'])} sites, {f['rounds']} rounds × H={f['inner_steps']}",
         f"- federated parameters {f['federated_params']:,}; on-wire {f['comm_bytes_total']:,} bytes ({f['bytes_per_param']:.3f} bytes/param/round/site)",
@@ -79,13 +100,27 @@ def render_markdown(figures: dict, budgets: list[dict], hw_class: str, hardware:
         f"- Stage B vs Stage A frame: {g['final']['federated_vs_centralized']['drift_angle_deg']:.1f}°, residual {g['final']['federated_vs_centralized']['procrustes_residual']:.3f}",
         f"- effective dim (RankMe) federated {g['final']['effective_dim']['federated']['rankme']:.1f} of {g['final']['latent_dim']}, "
         f"lowest over the run {g['effective_dim_fraction_min']:.0%} of the latent dimension; "
-        f"collapse tripwire {'TRIPPED' if g['collapse_tripwire'] else 'quiet'}", "",
+        f"federated ÷ pooled at the same point of training, lowest round: {g['effective_dim_vs_pooled_min']:.2f}; "
+        f"collapse tripwire (against the pooled model) {'TRIPPED' if g['collapse_tripwire'] else 'quiet'}", "",
+        "| round | federated RankMe | pooled RankMe | ratio | drift ° |", "|---|---|---|---|---|",
+        *(f"| {r['round']} | {r['effective_dim']:.2f} | {r['pooled_effective_dim']:.2f} | {r['effective_dim_vs_pooled']:.2f} | "
+          f"{r['drift_angle_deg_mean']:.2f} |" for r in g["per_round"]), "",
+        *dynamics_lines(f, e), "",
         "## Closed-loop latent-MPC evaluation", "",
-        "| site | embodiment | centralized (pooled) | federated | local-only | random | plan s |", "|---|---|---|---|---|---|---|",
+        "Every agent runs the same episodes (seeds, starts, goals). The oracle is the same CEM with the true simulator as its",
+        "model and the success criterion's own distance as its energy: what the protocol allows a perfect model.", "",
+        "| site | embodiment | centralized (pooled) | federated | local-only | oracle | random | plan s |", "|---|---|---|---|---|---|---|---|",
     ]
     for site, r in e["sites"].items():
         cell = lambda m: f"{r[m]['success_rate']:.2f} [{r[m]['ci_low']:.2f}, {r[m]['ci_high']:.2f}]" if m in r else "not trained"  # noqa: E731
-        lines.append(f"| {site} | {r['embodiment']} | {cell('centralized')} | {cell('federated')} | {cell('local_only')} | {cell('random')} | {r['federated']['plan_seconds']:.3f} |")
+        lines.append(f"| {site} | {r['embodiment']} | {cell('centralized')} | {cell('federated')} | {cell('local_only')} | {cell('oracle')} | "
+                     f"{cell('random')} | {r['federated']['plan_seconds']:.3f} |")
+    lines += ["", "| embodiment | episodes | step budget | success criterion | pooled ÷ oracle | federated ÷ pooled |", "|---|---|---|---|---|---|"]
+    for emb, row in e.get("embodiments", {}).items():
+        pooled_of_oracle = row["of_oracle"].get("centralized")
+        fed_of_pooled = row["federated"] / row["centralized"] if row["centralized"] > 0 else None
+        fmt = lambda x: "—" if x is None else f"{x:.2f}"  # noqa: E731
+        lines.append(f"| {emb} | {row['episodes']:.0f} | {row['max_steps']} | {row['success_criterion']} | {fmt(pooled_of_oracle)} | {fmt(fed_of_pooled)} |")
     lines += ["", "Communication each needed: federated "
               f"{f['comm_bytes_total']:,} bytes on the wire; pooling the raw data centrally {f['pooling_bytes']:,} bytes; "
               f"a step-synchronous data-parallel run {f['step_synchronous_bytes']:,} bytes; local-only 0 bytes."]

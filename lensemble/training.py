@@ -25,12 +25,13 @@ class StepLog:
     """Per-step scalar losses, averaged by `mean()`."""
 
     pred: list[float] = field(default_factory=list)
+    proprio: list[float] = field(default_factory=list)
     sigreg: list[float] = field(default_factory=list)
     anchor: list[float] = field(default_factory=list)
 
     def mean(self) -> dict[str, float]:
         out = {}
-        for name in ("pred", "sigreg", "anchor"):
+        for name in ("pred", "proprio", "sigreg", "anchor"):
             vals = getattr(self, name)
             out[f"loss/{name}"] = sum(vals) / max(len(vals), 1)
         return out
@@ -62,9 +63,10 @@ class StepDraws:
 
     def draw(self, step: int, samplers: Sequence[tuple[str, WindowSampler]], model: WorldModel, train: TrainParams,
              objective: ObjectiveParams, probe_PCHW: torch.Tensor | None, global_probe_PND: torch.Tensor | None):
-        """(embodiment, frames [B,T,3,H,W], actions [B,T,K], directions [D,M], token subset or None, probe, global probe)."""
+        """(embodiment, sampler, frames [B,T,3,H,W], actions [B,T,K], proprio [B,T,Q], directions [D,M], token subset
+        or None, probe, global probe)."""
         embodiment, sampler = samplers[step % len(samplers)]
-        frames, actions = sampler.sample(train.batch_size, self.batch_gen)
+        frames, actions, proprio = sampler.sample(train.batch_size, self.batch_gen)
         sig_gen = generator(self.run_seed, "sigreg", self.round_idx, step=step)
         directions = random_directions(model.latent_dim, objective.sketch_dim, sig_gen)
         num_tokens = frames.shape[0] * frames.shape[1] * model.encoder.num_tokens
@@ -73,7 +75,7 @@ class StepDraws:
         if probe_PCHW is not None and global_probe_PND is not None:
             idx = torch.randint(0, probe_PCHW.shape[0], (min(objective.probe_batch, probe_PCHW.shape[0]),), generator=self.probe_gen)
             probe, global_probe = probe_PCHW[idx], global_probe_PND[idx]
-        return embodiment, frames, actions, directions, sig_index, probe, global_probe
+        return embodiment, sampler, frames, actions, proprio, directions, sig_index, probe, global_probe
 
 
 def train_steps(
@@ -96,11 +98,12 @@ def train_steps(
     log = StepLog()
     draws = StepDraws(run_seed, round_idx, data_key)
     for step in range(steps):
-        embodiment, frames, actions, directions, sig_index, probe, global_probe = draws.draw(
+        embodiment, sampler, frames, actions, proprio, directions, sig_index, probe, global_probe = draws.draw(
             step, samplers, model, train, objective, probe_PCHW, global_probe_PND)
         with autocast_context(train.precision):
             terms = world_model_loss(
-                model.encoder, model.predictor, model.action_heads[embodiment], frames, actions, directions, sig_index,
+                model.encoder, model.predictor, model.action_heads[embodiment], frames, actions, proprio, directions, sig_index,
+                proprio_valid=sampler.proprio_valid, proprio_weight=objective.proprio_weight,
                 sigreg_weight=objective.sigreg_weight, anchor_weight=objective.anchor_weight,
                 num_knots=objective.num_knots, t_max=objective.t_max, rollout_steps=objective.rollout_steps, sigreg_on=objective.sigreg_on,
                 probe_PCHW=probe, global_probe_PND=global_probe,
@@ -111,10 +114,12 @@ def train_steps(
         with record_function("optimizer_step"):
             optimizer.step()
         log.pred.append(float(terms.pred))
+        log.proprio.append(float(terms.proprio))
         log.sigreg.append(float(terms.sigreg))
         log.anchor.append(float(terms.anchor))
         if on_step is not None:
-            on_step(step, {"loss/pred": log.pred[-1], "loss/sigreg": log.sigreg[-1], "loss/anchor": log.anchor[-1]})
+            on_step(step, {"loss/pred": log.pred[-1], "loss/proprio": log.proprio[-1], "loss/sigreg": log.sigreg[-1],
+                           "loss/anchor": log.anchor[-1]})
     return log
 
 

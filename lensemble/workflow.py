@@ -18,7 +18,7 @@ from lensemble.errors import ConfigError
 from lensemble.model.world_model import WorldModel
 from lensemble.paths import Layout
 from lensemble.seeds import derive_seed
-from lensemble.sim.registry import make_embodiment
+from lensemble.sim.registry import embodiment_class
 
 PROBE_STRIDE = 4  # every 4th frame of each probe episode: enough coverage, a small probe
 
@@ -38,12 +38,7 @@ def site_embodiment(params: Params, site: str) -> str:
 
 def action_dims(params: Params) -> dict[str, int]:
     """Action dimension of every embodiment in the federation."""
-    dims = {}
-    for s in params.data.sites:
-        env = make_embodiment(s.embodiment, params.data.image_size)
-        dims[s.embodiment] = env.action_dim
-        env.close()
-    return dims
+    return {s.embodiment: embodiment_class(s.embodiment).action_dim for s in params.data.sites}
 
 
 _INIT_LOCK = threading.Lock()
@@ -57,7 +52,7 @@ def build_model(params: Params, purpose: str) -> WorldModel:
     """
     with _INIT_LOCK:
         torch.manual_seed(derive_seed(params.run.seed, f"init/{purpose}"))
-        return WorldModel(params.model, params.data.image_size, action_dims(params), max_steps=max(params.data.num_steps, params.evaluate.cem.horizon + 1))
+        return WorldModel(params.model, params.data.image_size, action_dims(params), max_steps=params.data.num_steps)
 
 
 def warm_start(model: WorldModel, params: Params, layout: Layout) -> dict | None:
@@ -75,12 +70,17 @@ def load_site(layout: Layout, params: Params, site: str) -> Episodes:
 
 
 def sampler_for(eps: Episodes, params: Params) -> WindowSampler:
-    return WindowSampler(eps, params.data.num_steps)
+    return WindowSampler(eps, params.data.num_steps, params.model.proprio_dim)
 
 
 def embodiments(params: Params) -> list[str]:
     """Distinct embodiments in the federation, sorted."""
     return sorted({s.embodiment for s in params.data.sites})
+
+
+def load_probe_episodes(layout: Layout, params: Params, embodiment: str) -> Episodes:
+    """The public probe episodes of one embodiment: held out from every site's training data."""
+    return read_episodes(layout.probe(embodiment), params.data.image_size)
 
 
 def probe_frames(layout: Layout, params: Params) -> torch.Tensor:

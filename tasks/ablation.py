@@ -84,14 +84,14 @@ def point_root(root: Path, raw: dict, point: Point) -> Path:
     (sub / "params.yaml").write_text(yaml.safe_dump(point_params(raw, point), sort_keys=False))
     for name in ("budgets.yaml", "pricing.yaml"):
         shutil.copy(root / name, sub / name)
-    for rel in ("data/sites", "data/probe", "models/centralized.pt", "reports/residency.json"):
+    for rel in ("data/sites", "data/probe", "models/centralized.pt", "reports/residency.json", "reports/centralized.json"):
         _link(root / rel, sub / rel)
     return sub
 
 
 def require_inputs(root: Path) -> None:
     """DataError naming the first input of the ablation that does not exist yet."""
-    for rel in ("data/sites", "data/probe", "models/centralized.pt", "reports/residency.json"):
+    for rel in ("data/sites", "data/probe", "models/centralized.pt", "reports/residency.json", "reports/centralized.json"):
         if not (root / rel).exists():
             raise DataError(f"the ablation needs {root / rel}: run `dvc repro centralized` first")
 
@@ -126,6 +126,7 @@ def run_point(root: Path, raw: dict, point: Point) -> dict:
         "drift_angle_deg_final": rounds[-1]["drift_angle_deg_mean"],
         "drift_angle_deg_mean": sum(r["drift_angle_deg_mean"] for r in rounds) / len(rounds),
         "effective_dim_fraction_min": gauge["effective_dim_fraction_min"],
+        "effective_dim_vs_pooled_min": gauge["effective_dim_vs_pooled_min"],
         "success": success,
         "mean_success": sum(s["success_rate"] for s in success.values()) / len(success),
         "global_params_sha256": fed["global_params_sha256"],

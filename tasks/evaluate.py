@@ -9,7 +9,8 @@ from prefect.cache_policies import NONE
 
 from lensemble.config import Params
 from lensemble.errors import DataError
-from lensemble.evaluation import evaluate
+from lensemble.dynamics import probe_r2, rollout_diagnostics
+from lensemble.evaluation import ORACLE, evaluate
 from lensemble.gauge import drift, effective_dim, pool_tokens
 from lensemble.model.world_model import WorldModel, load_federated
 from lensemble.paths import Layout
@@ -17,7 +18,7 @@ from lensemble.planning.cem import CEMConfig
 from lensemble.seeds import generator
 from lensemble.sim.registry import make_embodiment
 from lensemble.training import encode_frames
-from lensemble.workflow import build_model, eval_seeds, probe_frames, site_embodiment, site_names
+from lensemble.workflow import build_model, eval_seeds, load_probe_episodes, load_site, probe_frames, site_embodiment, site_names
 
 
 def _require(path: Path, what: str) -> Path:
@@ -68,16 +69,29 @@ MODEL_LOADERS = {
     "centralized": lambda params, layout, site: load_centralized(params, layout),
     "federated": load_federated_for_site,
     "local_only": load_local_only,
+    "oracle": lambda params, layout, site: ORACLE,
     "random": lambda params, layout, site: None,
 }
+REFERENCES = ("oracle", "random")  # the protocol's ceiling and floor, read beside every model
+
+
+def dynamics_report(params: Params, model: WorldModel, train_eps, held_out_eps) -> dict:
+    """Dynamics diagnostics of one model on one embodiment: held-out rollouts, action sensitivity, probe R²."""
+    c = params.evaluate.cem
+    diag = rollout_diagnostics(model, held_out_eps, c.context, c.horizon, params.model.proprio_dim, params.run.seed)
+    return {**diag, "probe_r2": probe_r2(model, train_eps, held_out_eps)}
 
 
 def evaluate_models(params: Params, layout: Layout, site: str, names: tuple[str, ...]) -> dict:
-    """Closed-loop success of the named models (keys of MODEL_LOADERS) on `site`'s embodiment, same goals for all."""
+    """Closed-loop success of the named agents (keys of MODEL_LOADERS) on `site`'s embodiment, same seeds, starts
+    and goals for all; and the dynamics diagnostics of every world model among them."""
     torch.set_num_threads(params.run.torch_threads)
     embodiment = site_embodiment(params, site)
     models = {name: MODEL_LOADERS[name](params, layout, site) for name in names}  # DataError before any episode
+    train_eps, held_out = load_site(layout, params, site), load_probe_episodes(layout, params, embodiment)
+    diagnostics = {name: dynamics_report(params, m, train_eps, held_out) for name, m in models.items() if isinstance(m, WorldModel)}
     env = make_embodiment(embodiment, params.data.image_size)
+    env.set_success_criterion(params.evaluate.success.get(embodiment, env.criterion))
     c = params.evaluate.cem
     cfg = CEMConfig(c.samples, c.elites, c.iterations, c.horizon)
     seeds = eval_seeds(params, embodiment)
@@ -85,18 +99,19 @@ def evaluate_models(params: Params, layout: Layout, site: str, names: tuple[str,
     try:
         for name, model in models.items():
             gen = generator(params.run.seed, f"cem/{name}", participant=site)
-            out[name] = evaluate(env, seeds, params.evaluate.max_steps, model, cfg, gen, c.execute_steps)
+            out[name] = evaluate(env, seeds, params.evaluate.max_steps, model, cfg, gen, c.execute_steps, c.context, params.model.proprio_dim)
     finally:
         env.close()
-    return {"embodiment": embodiment, **out}
+    return {"embodiment": embodiment, "success_criterion": f"{env.criterion}: {env.success_criteria[env.criterion]}",
+            "max_steps": params.evaluate.max_steps, "diagnostics": diagnostics, **out}
 
 
 @task(name="evaluate-site", cache_policy=NONE)
 def evaluate_site(params: Params, layout: Layout, site: str) -> dict:
-    """Closed-loop success of Stage A, Stage B, the local-only baseline (if trained) and random actions on one site's embodiment."""
-    return evaluate_models(params, layout, site, evaluated_models(params))
+    """Closed-loop success of Stage A, Stage B, the local-only baseline (if trained), the oracle and random actions on one site's embodiment."""
+    return evaluate_models(params, layout, site, evaluated_models(params) + REFERENCES)
 
 
 def evaluated_models(params: Params) -> tuple[str, ...]:
-    """The models the evaluate stage compares: the local-only baseline only when federate trained it."""
-    return ("centralized", "federated", "local_only", "random") if params.federate.local_only else ("centralized", "federated", "random")
+    """The world models the evaluate stage compares: the local-only baseline only when federate trained it."""
+    return ("centralized", "federated", "local_only") if params.federate.local_only else ("centralized", "federated")

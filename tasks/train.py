@@ -13,11 +13,13 @@ from lensemble.config import Params
 from lensemble.data.audit import PrivateIndex, index_path, load_index
 from lensemble.data.residency import ResidencyGuard
 from lensemble.federation.transport import RoundContext, Transport, param_spec
-from lensemble.gauge import drift, pool_tokens
+from lensemble.dynamics import probe_r2, rollout_diagnostics
+from lensemble.gauge import drift, effective_dim, pool_tokens
 from lensemble.model.world_model import federated_state, load_federated, local_state
 from lensemble.paths import Layout
 from lensemble.training import encode_frames, make_optimizer, train_steps
-from lensemble.workflow import build_model, load_site, sampler_for, site_embodiment, site_names, warm_start
+from lensemble.workflow import (build_model, load_probe_episodes, load_site, probe_frames, sampler_for, site_embodiment, site_names,
+                                warm_start)
 
 
 @task(name="train-centralized", cache_policy=NONE)
@@ -28,14 +30,33 @@ def train_centralized(params: Params, layout: Layout, model_path: Path) -> dict:
     warm_start(model, params, layout)
     samplers = [(site_embodiment(params, s), sampler_for(load_site(layout, params, s), params)) for s in site_names(params)]
     opt = make_optimizer(model, params.train)
+    probe = probe_frames(layout, params)
+    marks = pooled_checkpoints(params)
+    curve: list[dict] = []
+    curve_seconds = 0.0
+
+    def record(step: int, _losses) -> None:  # the pooled model's effective dimension at the federation's round marks
+        nonlocal curve_seconds
+        if step + 1 in marks:
+            t = time.perf_counter()
+            curve.append({"step": step + 1, **effective_dim(pool_tokens(encode_frames(model, probe)))})
+            model.train()
+            curve_seconds += time.perf_counter() - t
+
     t0 = time.perf_counter()
     log = train_steps(model, opt, samplers, params.centralized.steps, train=params.train, objective=params.objective,
-                      run_seed=params.run.seed, round_idx=-1, data_key="pooled")
-    seconds = time.perf_counter() - t0
+                      run_seed=params.run.seed, round_idx=-1, data_key="pooled", on_step=record)
+    seconds = time.perf_counter() - t0 - curve_seconds
     torch.save(model.state_dict(), model_path)
     latency = component_latency(model, params, seconds / params.centralized.steps)
-    return {"losses": {"pred": log.pred, "sigreg": log.sigreg}, "mean": log.mean(), "seconds": seconds, "steps": params.centralized.steps,
-            "latency": latency}
+    return {"losses": {"pred": log.pred, "proprio": log.proprio, "sigreg": log.sigreg}, "mean": log.mean(), "seconds": seconds,
+            "steps": params.centralized.steps, "latency": latency, "effective_dim_curve": curve}
+
+
+def pooled_checkpoints(params: Params) -> list[int]:
+    """Stage A steps at which the pooled model is read against federated round r = 1..R: the same fraction of training."""
+    R, S = params.federate.rounds, params.centralized.steps
+    return [max(1, round(S * r / R)) for r in range(1, R + 1)]
 
 
 @task(name="train-local-only", cache_policy=NONE)
@@ -73,6 +94,10 @@ def site_train(params: Params, layout: Layout, site: str, round_idx: int, global
         opt.load_state_dict(saved["optimizer"])
     load_federated(model, global_state)
     eps = load_site(layout, params, site)
+    # the global model entering this round (= the last round's result) with this site's head, read on the public probe
+    t0 = time.perf_counter()
+    dyn = round_dynamics(params, model, eps, load_probe_episodes(layout, params, embodiment))
+    dyn_seconds = time.perf_counter() - t0
     sampler = sampler_for(eps, params)
     t0 = time.perf_counter()
     log = train_steps(model, opt, [(embodiment, sampler)], params.federate.inner_steps, train=params.train, objective=params.objective,
@@ -88,9 +113,23 @@ def site_train(params: Params, layout: Layout, site: str, round_idx: int, global
     site_probe = pool_tokens(encode_frames(model, probe))
     gauge = drift(site_probe, pool_tokens(global_probe))
     metrics = {**log.mean(), "train_seconds": train_seconds, "steps": params.federate.inner_steps,
-               **{f"gauge/{k}": v for k, v in gauge.items()}}
+               **{f"gauge/{k}": v for k, v in gauge.items()}, **dyn, "dynamics_seconds": dyn_seconds}
     guard.release("metrics", metrics)
     return {"metrics": metrics, "probe_embedding": guard.release("public_probe_embedding", site_probe), "task_seconds": time.perf_counter() - t_task}
+
+
+ROUND_DYNAMICS = ("eval/rollout_vs_copy", "eval/rollout_vs_copy_last", "eval/rollout_vs_copy_proprio", "eval/action_sensitivity",
+                  "eval/action_sensitivity_proprio", "eval/probe_r2")
+
+
+def round_dynamics(params: Params, model, train_eps, held_out) -> dict[str, float]:
+    """The dynamics diagnostics as scalar metrics (the site releases only these): 1-step and H-step rollout
+    error over copying, action sensitivity and probe R²."""
+    c = params.evaluate.cem
+    diag = rollout_diagnostics(model, held_out, c.context, c.horizon, params.model.proprio_dim, params.run.seed)
+    values = (diag["rollout_vs_copy"][0], diag["rollout_vs_copy"][-1], diag["rollout_vs_copy_proprio"][0], diag["action_sensitivity"],
+              diag["action_sensitivity_proprio"], probe_r2(model, train_eps, held_out))
+    return dict(zip(ROUND_DYNAMICS, values))
 
 
 @task(name="site-adapt-head", cache_policy=NONE)

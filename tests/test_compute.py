@@ -48,7 +48,7 @@ def test_param_counts_split_federated_and_local():
     counts = compute.param_counts(compute.meta_model(params))
     # encoder 112,704 + predictor 111,104 (by hand, see test_memory_estimate_micro_by_hand) and
     # one grid_point head R^2 -> R^32: (2*32 + 32) + (32*32 + 32) = 1,152
-    assert counts == {"encoder": 112_704, "predictor": 111_104, "federated": 223_808, "local": 1_152, "total": 224_960}
+    assert counts == {"encoder": 112_704, "predictor": 113_168, "federated": 225_872, "local": 1_152, "total": 227_024}
     assert counts == compute.param_counts(real_model(params))
 
 
@@ -120,13 +120,15 @@ def test_step_flops_meta_equal_cpu_and_scale_with_the_batch():
 
 def test_memory_estimate_micro_by_hand():
     params = bench_params(MICRO)
-    est = compute.memory_estimate(params, 224_960, anchor=False, action_dim=2)
-    P = 224_960  # encoder 12,352 patch + 256 pos + 2 x 49,984 blocks + 128 norm; predictor 4,160 inp
-    # + 2,112 act + 320 space + 256 time + 99,968 blocks + 128 norm + 4,160 out; head 1,152
+    est = compute.memory_estimate(params, 227_024, anchor=False, action_dim=2)
+    P = 227_024  # encoder 12,352 patch + 256 pos + 2 x 49,984 blocks + 128 norm; predictor 4,160 inp + 1,088 proprio_in
+    # + 2,112 act + 384 space + 128 time + 99,968 blocks + 128 norm + 4,160 out + 1,040 proprio_out; head 1,152
     # activations, bytes: encoder 2 frames x (2 blocks x 16,512 + final norm 2,080) = 70,208;
-    # predictor 2 passes (teacher-forced, 1-step rollout) x 46,000; SIGReg 8 tokens: 2,048 + 34,816
-    activations = 70_208 + 2 * 46_000 + 36_864
-    inputs = 1 * 2 * (3 * 16 * 16 * 4 + 2 * 4)
+    # predictor 2 one-step passes of 6 tokens (teacher-forced; the 1-step rollout from the 1-step context), each
+    # 2 blocks x 24,768 + inputs 1,216 + final norm 1,584 + out/proprio_out inputs 1,280 + predictions 1,088 = 54,704;
+    # SIGReg 8 tokens: 2,048 + 34,816
+    activations = 70_208 + 2 * 54_704 + 36_864
+    inputs = 1 * 2 * (3 * 16 * 16 * 4 + (2 + 16) * 4)
     assert est == {
         "master_fp32": 4 * P, "working_bf16": 0, "gradients": 4 * P, "adamw_moments": 8 * P,
         "activations": activations, "inputs": inputs, "total": 16 * P + activations + inputs,
@@ -135,15 +137,16 @@ def test_memory_estimate_micro_by_hand():
     assert bf16["working_bf16"] == 2 * P and bf16["activations"] < activations
 
 
-@pytest.mark.parametrize("encoder,precision", [("micro", "fp32"), ("tiny", "bf16")])
-def test_activation_formula_matches_saved_tensors_measured(encoder, precision):
-    setting = StepSetting(encoder, 32, 8, 3, 2, 4, precision)
+@pytest.mark.parametrize("encoder,precision,rollout", [("micro", "fp32", 1), ("tiny", "bf16", 1), ("micro", "fp32", 3)])
+def test_activation_formula_matches_saved_tensors_measured(encoder, precision, rollout):
+    setting = StepSetting(encoder, 32, 8, 4, 2, 4, precision)
     params = bench_params(setting)
+    params = params.model_copy(update={"objective": params.objective.model_copy(update={"rollout_steps": rollout})})  # 3: two cached steps
     model = real_model(params)
     emb = next(iter(model.action_heads))
     shape = compute.step_shape(params)
     inputs = compute.step_inputs(model, shape, emb, torch.Generator().manual_seed(0))
-    held = (inputs.frames_BTCHW, inputs.actions_BTK, inputs.directions_DM, inputs.probe_PCHW, inputs.global_probe_PND)
+    held = (inputs.frames_BTCHW, inputs.actions_BTK, inputs.proprio_BTQ, inputs.directions_DM, inputs.probe_PCHW, inputs.global_probe_PND)
     with compute.saved_tensor_bytes(model, held) as measured, autocast_context(precision):
         compute.step_loss(model, params, inputs, emb)
     assert compute.activation_bytes(shape)["total"] == pytest.approx(measured["activations"], rel=0.01)
@@ -154,7 +157,7 @@ def test_activation_formula_matches_saved_tensors_measured(encoder, precision):
 def test_compute_summary_is_plain_json():
     summary = compute.compute_summary(bench_params(MICRO))
     assert json.loads(json.dumps(summary)) == summary
-    assert summary["params"]["total"] == 224_960 and summary["flops_per_step"]["total"] > 0
+    assert summary["params"]["total"] == 227_024 and summary["flops_per_step"]["total"] > 0
 
 
 # ---------------------------------------------------------------------------------- bench, profile

@@ -14,7 +14,7 @@ import torch
 from lensemble.data.episodes import SCHEMA, Episodes, data_manifest, generate_episodes, read_episodes, to_table, write_episodes
 from lensemble.data.windows import WindowSampler, frames_to_tensor
 from lensemble.errors import ConfigError, DataError
-from lensemble.sim.registry import EMBODIMENTS, make_embodiment
+from lensemble.sim.registry import EMBODIMENTS, embodiment_class, make_embodiment
 
 SIZE = 16
 
@@ -133,25 +133,32 @@ def test_empty_site_directory_is_a_data_error(tmp_path):
 
 
 def test_window_sampler_is_reproducible_from_the_seed(eps):
-    sampler = WindowSampler(eps, 3)
+    sampler = WindowSampler(eps, 3, 4)
     g1, g2, g3 = (torch.Generator().manual_seed(s) for s in (7, 7, 8))
-    (f1, a1), (f2, a2), (f3, _) = sampler.sample(16, g1), sampler.sample(16, g2), sampler.sample(16, g3)
-    assert f1.shape == (16, 3, 3, SIZE, SIZE) and a1.shape == (16, 3, 2)
-    assert torch.equal(f1, f2) and torch.equal(a1, a2) and not torch.equal(f1, f3)
+    (f1, a1, q1), (f2, a2, q2), (f3, _, _) = sampler.sample(16, g1), sampler.sample(16, g2), sampler.sample(16, g3)
+    assert f1.shape == (16, 3, 3, SIZE, SIZE) and a1.shape == (16, 3, 2) and q1.shape == (16, 3, 4)
+    assert torch.equal(f1, f2) and torch.equal(a1, a2) and torch.equal(q1, q2) and not torch.equal(f1, f3)
 
 
 def test_window_sampler_cuts_consecutive_steps_of_one_episode(eps):
-    sampler = WindowSampler(eps, 3)
+    sampler = WindowSampler(eps, 3, 4)
     assert len(sampler) == eps.num_episodes * (8 - 3 + 1)
     idx = torch.randint(0, len(sampler), (16,), generator=torch.Generator().manual_seed(3))
-    frames, actions = sampler.sample(16, torch.Generator().manual_seed(3))
+    frames, actions, proprio = sampler.sample(16, torch.Generator().manual_seed(3))
     for b, i in enumerate(idx.tolist()):
-        f, a = sampler.window(i)
-        assert torch.equal(frames[b], f) and torch.equal(actions[b], a)
+        f, a, q = sampler.window(i)
+        assert torch.equal(frames[b], f) and torch.equal(actions[b], a) and torch.equal(proprio[b], q)
     e, s = divmod(int(idx[0]), 6)
     assert torch.equal(actions[0], torch.from_numpy(eps.actions_ELK[e, s : s + 3]))
+    # proprio leaves scaled by the embodiment's fixed divisors and zero-padded to the federation's width
+    scale = np.asarray(embodiment_class(eps.embodiment).proprio_scale, dtype=np.float32)
+    p = eps.proprio_ELP.shape[-1]
+    assert torch.equal(proprio[0, :, :p], torch.from_numpy(eps.proprio_ELP[e, s : s + 3] / scale))
+    assert not proprio[..., p:].any()
     with pytest.raises(ValueError, match="exceeds episode length"):
-        WindowSampler(eps, 9)
+        WindowSampler(eps, 9, 4)
+    with pytest.raises(ConfigError, match=r"model.proprio_dim \(1\) is smaller than"):
+        WindowSampler(eps, 3, 1)
 
 
 def test_frames_to_tensor_is_the_documented_arithmetic():

@@ -1,15 +1,24 @@
-"""Predictor: block-causal over time, rollout consistent with teacher forcing, prediction loss closed form."""
+"""Predictor: block-causal over time, proprioception in and out, the cached rollout equal to teacher forcing
+on its own predictions, and the prediction loss in closed form."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lensemble.model.predictor import Predictor, block_causal_mask, rollout
-from lensemble.objectives.losses import prediction_loss
+from lensemble.objectives.losses import prediction_loss, sigreg_tokens
+
+Q = 6  # padded proprio width
 
 
-def _predictor() -> Predictor:
+def _predictor(max_steps: int = 8) -> Predictor:
     torch.manual_seed(0)
-    return Predictor(latent_dim=16, num_tokens=4, action_embed=8, width=32, depth=2, heads=4).eval()
+    return Predictor(latent_dim=16, num_tokens=4, action_embed=8, width=32, depth=2, heads=4, max_steps=max_steps, proprio_dim=Q).eval()
+
+
+def _inputs(seed: int, B: int = 2, T: int = 5):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(B, T, 4, 16, generator=gen), torch.randn(B, T, Q, generator=gen), torch.randn(B, T, 8, generator=gen)
 
 
 def test_block_causal_mask_lets_a_step_see_itself_and_the_past_only():
@@ -20,38 +29,95 @@ def test_block_causal_mask_lets_a_step_see_itself_and_the_past_only():
 
 
 @torch.no_grad()
-def test_future_frames_and_actions_do_not_change_earlier_predictions():
+def test_future_frames_proprio_and_actions_do_not_change_earlier_predictions():
     g = _predictor()
-    gen = torch.Generator().manual_seed(1)
-    z = torch.randn(2, 5, 4, 16, generator=gen)
-    a = torch.randn(2, 5, 8, generator=gen)
-    out = g(z, a)
-    z2, a2 = z.clone(), a.clone()
+    z, q, a = _inputs(1)
+    out_z, out_q = g(z, q, a)
+    z2, q2, a2 = z.clone(), q.clone(), a.clone()
     z2[:, 3:] += 10.0
+    q2[:, 3:] += 3.0
     a2[:, 3:] -= 5.0
-    out2 = g(z2, a2)
-    assert torch.allclose(out[:, :3], out2[:, :3], atol=1e-5)
-    assert not torch.allclose(out[:, 3:], out2[:, 3:], atol=1e-3)
+    out2_z, out2_q = g(z2, q2, a2)
+    assert torch.allclose(out_z[:, :3], out2_z[:, :3], atol=1e-5) and torch.allclose(out_q[:, :3], out2_q[:, :3], atol=1e-5)
+    assert not torch.allclose(out_z[:, 3:], out2_z[:, 3:], atol=1e-3)
 
 
 @torch.no_grad()
-def test_rollout_equals_teacher_forcing_on_its_own_predictions():
+def test_proprio_and_actions_reach_the_latent_prediction():
     g = _predictor()
-    gen = torch.Generator().manual_seed(2)
-    z0 = torch.randn(3, 4, 16, generator=gen)
-    a = torch.randn(3, 4, 8, generator=gen)
-    preds = rollout(g, z0, a)  # ẑ_1..ẑ_4
-    history = torch.cat([z0[:, None], preds[:, :-1]], dim=1)  # z_0, ẑ_1..ẑ_3
-    assert torch.allclose(g(history, a), preds, atol=1e-5)
+    z, q, a = _inputs(4)
+    base = g(z, q, a)[0]
+    assert not torch.allclose(base, g(z, q + 1.0, a)[0], atol=1e-3)  # the proprio token is read
+    assert not torch.allclose(base, g(z, q, a + 1.0)[0], atol=1e-3)  # the action token is read
 
 
-def test_prediction_loss_without_rollout_is_the_teacher_forced_mse():
+@torch.no_grad()
+def test_prediction_is_a_residual_on_the_current_step():
     g = _predictor()
-    gen = torch.Generator().manual_seed(3)
-    z = torch.randn(2, 4, 4, 16, generator=gen)
-    a = torch.randn(2, 4, 8, generator=gen)
-    expected = (g(z[:, :-1], a[:, :-1]) - z[:, 1:]).square().mean()
-    assert torch.allclose(prediction_loss(g, z, a, rollout_steps=0), expected)
-    with_rollout = prediction_loss(g, z, a, rollout_steps=2)
-    roll = rollout(g, z[:, 0], a[:, :2])
-    assert torch.allclose(with_rollout, expected + (roll - z[:, 1:3]).square().mean(), atol=1e-6)
+    for lin in (g.out, g.proprio_out):
+        torch.nn.init.zeros_(lin.weight)
+        torch.nn.init.zeros_(lin.bias)
+    z, q, a = _inputs(5)
+    out_z, out_q = g(z, q, a)
+    assert torch.equal(out_z, z) and torch.equal(out_q, q)  # a zero update predicts "nothing moves"
+
+
+@torch.no_grad()
+def test_cached_steps_equal_one_block_causal_pass():
+    g = _predictor()
+    z, q, a = _inputs(6, T=7)
+    full_z, full_q = g(z, q, a)
+    parts = [(0, 3), (3, 5), (5, 7)]
+    cache, zs, qs = None, [], []
+    for s, e in parts:
+        zz, qq, cache = g.forward_cached(z[:, s:e], q[:, s:e], a[:, s:e], cache)
+        zs.append(zz)
+        qs.append(qq)
+    assert torch.allclose(torch.cat(zs, 1), full_z, atol=1e-5) and torch.allclose(torch.cat(qs, 1), full_q, atol=1e-5)
+
+
+@torch.no_grad()
+def test_rollout_from_a_context_equals_teacher_forcing_on_its_own_predictions():
+    g = _predictor()
+    z, q, a = _inputs(2, B=3, T=6)
+    C = 2
+    z_hat, q_hat = rollout(g, z[:, :C], q[:, :C], a)  # ẑ_2..ẑ_6 from z_0, z_1 under a_0..a_5
+    assert z_hat.shape == (3, 5, 4, 16) and q_hat.shape == (3, 5, Q)
+    hist_z = torch.cat([z[:, :C], z_hat[:, :-1]], dim=1)
+    hist_q = torch.cat([q[:, :C], q_hat[:, :-1]], dim=1)
+    tf_z, tf_q = g(hist_z, hist_q, a)
+    assert torch.allclose(tf_z[:, C - 1:], z_hat, atol=1e-5) and torch.allclose(tf_q[:, C - 1:], q_hat, atol=1e-5)
+
+
+def test_more_steps_than_trained_positions_is_an_error():
+    g = _predictor(max_steps=4)
+    z, q, a = _inputs(7, T=5)
+    with pytest.raises(ValueError, match="4 time positions"):
+        g(z, q, a)
+
+
+def test_prediction_loss_closed_form_reads_only_the_embodiment_proprio():
+    g = _predictor()
+    z, q, a = _inputs(3, T=5)
+    valid = 4
+    tf_z, tf_q = g(z[:, :-1], q[:, :-1], a[:, :-1])
+    lat0 = (tf_z - z[:, 1:]).square().mean()
+    prop0 = (tf_q[..., :valid] - q[:, 1:, :valid]).square().mean()
+    lat, prop = prediction_loss(g, z, q, a, rollout_steps=0, proprio_valid=valid)
+    assert torch.allclose(lat, lat0) and torch.allclose(prop, prop0)
+    # rollout part: the last k steps from the T - k before them
+    k = 2
+    lat_k, prop_k = prediction_loss(g, z, q, a, rollout_steps=k, proprio_valid=valid)
+    rz, rq = rollout(g, z[:, :3], q[:, :3], a[:, :4])
+    assert torch.allclose(lat_k, lat0 + (rz - z[:, 3:]).square().mean(), atol=1e-6)
+    assert torch.allclose(prop_k, prop0 + (rq[..., :valid] - q[:, 3:, :valid]).square().mean(), atol=1e-6)
+
+
+def test_centered_tokens_remove_the_shared_layout():
+    gen = torch.Generator().manual_seed(8)
+    layout = torch.randn(1, 1, 4, 16, generator=gen) * 10.0  # what every frame shares at each position
+    z = layout + torch.randn(3, 2, 4, 16, generator=gen)
+    t = sigreg_tokens(z, "centered_tokens", None)
+    assert t.shape == (24, 16)
+    assert torch.allclose(t.reshape(6, 4, 16).mean(0), torch.zeros(4, 16), atol=1e-5)
+    assert sigreg_tokens(z, "frames", None).shape == (6, 16)

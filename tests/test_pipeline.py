@@ -122,6 +122,11 @@ def test_a_tracking_store_that_cannot_open_fails_the_stage_and_commits_nothing(p
         (lambda p: p["federate"].update(bogus=1), "unknown key federate.bogus"),
         (lambda p: p["data"]["sites"][0].update(embodiment="nope"), "unknown embodiment 'nope'"),
         (lambda p: p["model"].update(patch_size=5), "model.patch_size (5) must divide data.image_size (16)"),
+        (lambda p: p["evaluate"]["cem"].update(context=2, horizon=2),
+         "evaluate.cem.context (2) + evaluate.cem.horizon (2) exceeds data.num_steps (3), the time positions the predictor is trained on"),
+        (lambda p: p["evaluate"].update(success={"grid_point": "touch"}),
+         "evaluate.success.grid_point: unknown success criterion 'touch'; grid_point knows ['position']"),
+        (lambda p: p["model"].update(proprio_dim=1), "model.proprio_dim (1) is smaller than grid_point's proprioception (2)"),
     ],
 )
 def test_cli_params_errors_are_one_line_and_write_nothing(tmp_path, edit, message):

@@ -50,3 +50,72 @@ def test_wilson_interval_closed_form():
     half = z * math.sqrt(0.25 / 10 + z * z / 400) / (1 + z * z / 10)
     assert low == pytest.approx(centre - half) and high == pytest.approx(centre + half)
     assert wilson_interval(0, 10)[0] == pytest.approx(0.0, abs=1e-12) and wilson_interval(10, 10)[1] == pytest.approx(1.0)
+
+
+# ------------------------------------------------------------------ goals, energy, oracle, history
+
+import numpy as np  # noqa: E402
+
+from lensemble.errors import DataError  # noqa: E402
+from lensemble.evaluation import (  # noqa: E402
+    ORACLE, GoalObservation, History, check_goal, energy_weights, evaluate, goal_energy, goal_observation)
+from lensemble.sim.gridworld import PointAgent  # noqa: E402
+
+
+def test_a_goal_without_proprio_for_an_embodiment_that_has_it_is_refused():
+    env = PointAgent(image_size=8)
+    env.reset(0)
+    frame = env.goal_frame()
+    with pytest.raises(DataError, match="goal for grid_point has no proprioception; grid_point records 2 components"):
+        check_goal(GoalObservation(frame, None), env)
+    with pytest.raises(DataError, match=r"must have shape \(2,\)"):
+        check_goal(GoalObservation(frame, np.zeros(3, np.float32)), env)
+    with pytest.raises(DataError, match="goal frame for grid_point must be"):
+        check_goal(GoalObservation(frame[:4], env.goal_proprio()), env)
+    goal = goal_observation(env)
+    assert np.array_equal(goal.proprio, env.goal.astype(np.float32))
+
+
+def test_goal_energy_is_the_weighted_distance_in_closed_form():
+    goal_z, goal_q = torch.zeros(2, 3), torch.tensor([1.0, 2.0, 0.0, 0.0])
+    w = torch.tensor([0.0, 2.0, 1.0, 0.0])
+    z = torch.ones(5, 2, 3) * torch.arange(5.0)[:, None, None]
+    q = torch.zeros(5, 4)
+    q[:, 2] = torch.arange(5.0)
+    e = goal_energy(goal_z, goal_q, 0.5, w)((z, q))
+    expected = 0.5 * torch.arange(5.0) ** 2 + (2 * 4.0 + torch.arange(5.0) ** 2) / 3.0
+    assert torch.allclose(e, expected)
+    # the reacher's weights read only the fingertip; velocities never count
+    from lensemble.sim.registry import embodiment_class
+
+    reacher = embodiment_class("mujoco_reacher")
+    vis, wq = energy_weights(reacher, 16)
+    assert vis == 0.0 and wq.nonzero().flatten().tolist() == [9, 10]
+    _, wp = energy_weights(embodiment_class("mujoco_point"), 16)
+    assert wp.nonzero().flatten().tolist() == [0, 1]
+
+
+def test_history_context_is_the_last_observations_and_the_actions_between_them():
+    h = History([torch.full((1, 2), float(i)) for i in range(5)], [torch.full((3,), float(i)) for i in range(5)],
+                [torch.full((2,), float(i)) for i in range(4)])
+    z, q, past = h.context(3)
+    assert z[:, 0, 0].tolist() == [2.0, 3.0, 4.0] and q[:, 0].tolist() == [2.0, 3.0, 4.0]
+    assert past[:, 0].tolist() == [2.0, 3.0]  # a_2 between o_2 and o_3, a_3 between o_3 and o_4
+    z1, _, past1 = h.context(1)
+    assert z1.shape[0] == 1 and past1.shape[0] == 0
+
+
+def test_the_oracle_plans_with_the_true_simulator_and_leaves_the_episode_untouched():
+    env = PointAgent(image_size=8)
+    cfg = CEMConfig(samples=32, elites=4, iterations=2, horizon=3)
+    seeds = list(range(6))
+    oracle = evaluate(env, seeds, 20, ORACLE, cfg, torch.Generator().manual_seed(0), execute_steps=1)
+    random = evaluate(env, seeds, 20, None, cfg, torch.Generator().manual_seed(0))
+    assert oracle["success_rate"] == 1.0 and random["success_rate"] < 1.0
+    # planning rolls the simulator forward and restores it: the state after planning is the state before
+    env.reset_eval(3)
+    before = env.snapshot()
+    from lensemble.evaluation import oracle_rollout_fn
+
+    costs = oracle_rollout_fn(env)(torch.rand(8, 3, 2) * 2 - 1)
+    assert costs.shape == (8,) and np.array_equal(env.snapshot(), before)

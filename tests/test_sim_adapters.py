@@ -13,20 +13,20 @@ import pytest
 from lensemble.errors import ConfigError
 from lensemble.sim.base import Embodiment
 from lensemble.sim.mujoco_envs import MujocoPointMass, MujocoReacher, wrap_angle
-from lensemble.sim.pusht import STANDARD_GOAL, PushT, pose_success, pusher_target
+from lensemble.sim.pusht import GOAL_STEPS_AHEAD, STANDARD_GOAL, PushT, pose_success, pusher_target
 from lensemble.sim.registry import make_embodiment
 
 NAMES = ("pusht", "mujoco_point", "mujoco_reacher")
 SIZE = 64
 
-# Physics goldens after reset(3) and 30 noisy expert steps (rng 0, noise 0.3): proprio, then the
-# block pose (PushT) or the target xy (MuJoCo). Pixels are not pinned: they depend on the GL driver.
+# Physics goldens after reset(3) and 30 noisy expert steps (rng 0, noise 0.3; MuJoCo 0.2 s and PushT 0.5 s
+# per step): proprio, then the block pose (PushT) or the target xy (MuJoCo). Pixels are not pinned: they depend on the GL driver.
 # Update deliberately when a world's XML, an expert's gains or a simulator version changes.
 GOLDEN = {
-    "pusht": ([-0.74864, 0.06018, -0.6634, -0.91814], [234.2584, 215.6868, 1.5364]),
-    "mujoco_point": ([0.1525, 0.05213, -0.09059, -0.05719], [0.1446, 0.0394]),
+    "pusht": ([-0.98857, -0.34326, -0.04433, -0.07281], [176.3774, 240.2461, 2.485]),
+    "mujoco_point": ([0.1327, 0.03971, -0.11017, -0.15415], [0.1446, 0.0394]),
     "mujoco_reacher": (
-        [0.84902, -0.0974, 0.99417, 0.52836, -0.99525, -0.10786, -0.43728, -1.21981, -0.28879],
+        [0.84367, -0.24202, 0.99466, 0.53686, -0.97027, -0.10316, 0.58627, -1.19869, 0.58018, 0.15029, -0.10852],
         [0.1192, -0.118],
     ),
 }
@@ -247,3 +247,62 @@ def test_pusht_noiseless_expert_brings_the_block_closer(adapters: dict[str, Embo
             env.step(env.expert_action(rng, noise=0.0))
         after.append(np.linalg.norm(env.block_pose()[:2] - env.goal_pose[:2]))
     assert np.mean(after) < 0.5 * np.mean(before), (before, after)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_snapshot_restore_replays_the_same_future(adapters: dict[str, Embodiment], name: str) -> None:
+    env = adapters[name]
+    env.reset_eval(5)
+    snap = env.snapshot()
+    actions = _actions(env, steps=4, seed=2)
+    for a in actions:
+        env.step(a)
+    after = env.proprio(), env.goal_distance()
+    env.restore(snap)
+    for a in actions:
+        env.step(a)
+    np.testing.assert_array_equal(env.proprio(), after[0])
+    assert env.goal_distance() == after[1]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_goal_observation_carries_proprio_and_success_is_distance_under_one_tolerance(adapters: dict[str, Embodiment], name: str) -> None:
+    env = adapters[name]
+    env.reset_eval(6)
+    goal_q = env.goal_proprio()
+    assert goal_q.shape == (env.proprio_dim,) and goal_q.dtype == np.float32
+    assert len(env.goal_proprio_weights) == env.proprio_dim and set(env.state_components) <= set(range(env.proprio_dim))
+    assert not env.success() and env.goal_distance() > 0
+
+
+def test_reacher_proprio_ends_with_the_fingertip(adapters: dict[str, Embodiment]) -> None:
+    env = adapters["mujoco_reacher"]
+    assert isinstance(env, MujocoReacher)
+    env.reset(2)
+    np.testing.assert_allclose(env.proprio()[9:], env.tip_xy(), atol=1e-6)
+    np.testing.assert_allclose(env.goal_proprio()[9:], env.goal_xy, atol=1e-6)  # the goal's fingertip is the target
+
+
+def test_pusht_dino_wm_goal_is_the_expert_state_five_steps_ahead(adapters: dict[str, Embodiment]) -> None:
+    env = adapters["pusht"]
+    assert isinstance(env, PushT)
+    env.set_success_criterion("dino_wm")
+    env.reset_eval(7)
+    start = env.state()
+    goal = env.goal_state.copy()
+    env.reset(7)  # same start, training-episode goal
+    np.testing.assert_array_equal(env.state(), start)
+    rng = np.random.default_rng(7)
+    for _ in range(GOAL_STEPS_AHEAD):
+        env.step(env.expert_action(rng, 0.0))
+    np.testing.assert_allclose(env.state(), goal)
+    # success: (agent, block) xy within 20 px and angle within pi/9 of the goal state
+    env.reset_eval(7)
+    env.set_state(goal[:2] + [15.0, 0.0], goal[2:], env.goal_pose)
+    assert env.success()
+    env.set_state(goal[:2] + [15.0, 0.0], goal[2:] + [15.0, 0.0, 0.0], env.goal_pose)
+    assert not env.success()  # 21 px over the 4-vector
+    env.set_state(goal[:2], goal[2:] + [0.0, 0.0, 0.4], env.goal_pose)
+    assert not env.success()
+    with pytest.raises(ConfigError, match="unknown success criterion 'touch' for pusht; known: \\['dino_wm', 'pose'\\]"):
+        env.set_success_criterion("touch")

@@ -54,7 +54,7 @@ def bench_loader(image_size: int = 64, num_steps: int = 4, batch: int = 64, epis
     """Windows/s of `WindowSampler.sample` and the bytes it moves per second vs copy bandwidth."""
     from lensemble.federation.bench_wire import copy_bandwidth
 
-    sampler = WindowSampler(synthetic_episodes(episodes, length, image_size), num_steps)
+    sampler = WindowSampler(synthetic_episodes(episodes, length, image_size), num_steps, proprio_width=16, scale=(1.0,) * 4)
     gen = torch.Generator().manual_seed(0)
     for _ in range(3):
         sampler.sample(batch, gen)  # warm the allocator
@@ -130,7 +130,7 @@ def bench_guard(params_path: Path | str = "params.yaml", repeats: int = 3) -> di
     global_state = federated_state(model)
     global_probe = encode_frames(model, probe)
     t0 = time.perf_counter()
-    log = train_steps(model, opt, [(site.embodiment, WindowSampler(eps, d.num_steps))], p.federate.inner_steps, train=p.train,
+    log = train_steps(model, opt, [(site.embodiment, WindowSampler(eps, d.num_steps, p.model.proprio_dim))], p.federate.inner_steps, train=p.train,
                       objective=p.objective, run_seed=p.run.seed, round_idx=0, data_key=site.name, probe_PCHW=probe, global_probe_PND=global_probe)
     round_s = time.perf_counter() - t0
     local = federated_state(model)

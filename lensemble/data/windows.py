@@ -1,4 +1,7 @@
-"""Windows: clips of `num_steps` consecutive (frame, action) pairs cut from one episode.
+"""Windows: clips of `num_steps` consecutive (frame, proprio, action) triples cut from one episode.
+
+Proprioception leaves the sampler as the model reads it: divided by the embodiment's fixed
+`proprio_scale` and zero-padded to the federation's width `model.proprio_dim` (`proprio_features`).
 
 `WindowSampler` draws (episode, start) pairs from a seeded generator and gathers batches with one
 fancy-indexing op, so a batch costs a single copy of its uint8 frames plus one table lookup that
@@ -10,6 +13,8 @@ import numpy as np
 import torch
 
 from lensemble.data.episodes import Episodes
+from lensemble.errors import ConfigError
+from lensemble.sim.registry import embodiment_class
 
 
 # uint8 → float32 in [-1, 1], computed once with the arithmetic x / 127.5 - 1 in fp32: a lookup is
@@ -25,32 +30,56 @@ def frames_to_tensor(frames_uint8: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.take(_PIXEL_LUT, frames)).movedim(-1, -3)
 
 
+def proprio_scale(embodiment: str) -> tuple[float, ...]:
+    """The embodiment's fixed proprioception divisors (ones where it declares none)."""
+    cls = embodiment_class(embodiment)
+    return tuple(cls.proprio_scale) or (1.0,) * cls.proprio_dim
+
+
+def proprio_features(proprio_P: np.ndarray, embodiment: str, width: int, scale: tuple[float, ...] | None = None) -> torch.Tensor:
+    """[..., p] raw proprioception → [..., width] float32: divided by the embodiment's scale, zero-padded."""
+    scale_P = np.asarray(scale if scale is not None else proprio_scale(embodiment), dtype=np.float32)
+    proprio_P = np.asarray(proprio_P, dtype=np.float32)
+    p = proprio_P.shape[-1]
+    if p != scale_P.shape[0]:
+        raise ValueError(f"{embodiment} proprioception has {scale_P.shape[0]} components, got {p}")
+    if p > width:
+        raise ConfigError(f"model.proprio_dim ({width}) is smaller than {embodiment}'s proprioception ({p}); raise it")
+    out = np.zeros((*proprio_P.shape[:-1], width), dtype=np.float32)
+    out[..., :p] = proprio_P / scale_P
+    return torch.from_numpy(out)
+
+
 class WindowSampler:
     """Random Windows from one embodiment's episodes, reproducible from a torch.Generator."""
 
-    def __init__(self, eps: Episodes, num_steps: int) -> None:
+    def __init__(self, eps: Episodes, num_steps: int, proprio_width: int, scale: tuple[float, ...] | None = None) -> None:
         E, L = eps.frames_ELHWC.shape[:2]
         if num_steps > L:
             raise ValueError(f"num_steps {num_steps} exceeds episode length {L}")
         self.eps = eps
         self.num_steps = num_steps
+        self.proprio_valid = int(eps.proprio_ELP.shape[-1])
+        self.proprio_ELQ = proprio_features(eps.proprio_ELP, eps.embodiment, proprio_width, scale).numpy()  # [E, L, Q]
         self.starts_per_episode = L - num_steps + 1
         self.num_windows = E * self.starts_per_episode
 
     def __len__(self) -> int:
         return self.num_windows
 
-    def window(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Window `index`: frames [T, 3, H, W], actions [T, K]."""
+    def window(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Window `index`: frames [T, 3, H, W], actions [T, K], proprio features [T, Q]."""
         e, s = divmod(int(index), self.starts_per_episode)
         sl = slice(s, s + self.num_steps)
-        return frames_to_tensor(self.eps.frames_ELHWC[e, sl]), torch.from_numpy(self.eps.actions_ELK[e, sl].copy())
+        return (frames_to_tensor(self.eps.frames_ELHWC[e, sl]), torch.from_numpy(self.eps.actions_ELK[e, sl].copy()),
+                torch.from_numpy(self.proprio_ELQ[e, sl].copy()))
 
-    def sample(self, batch_size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """A batch: frames [B, T, 3, H, W], actions [B, T, K]."""
+    def sample(self, batch_size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A batch: frames [B, T, 3, H, W], actions [B, T, K], proprio features [B, T, Q]."""
         idx = torch.randint(0, self.num_windows, (batch_size,), generator=gen).numpy()
         e, s = np.divmod(idx, self.starts_per_episode)
         steps = s[:, None] + np.arange(self.num_steps)[None, :]  # [B, T]
         frames = self.eps.frames_ELHWC[e[:, None], steps]  # [B, T, H, W, 3]
         actions = self.eps.actions_ELK[e[:, None], steps]  # [B, T, K]
-        return frames_to_tensor(frames), torch.from_numpy(actions)
+        proprio = self.proprio_ELQ[e[:, None], steps]  # [B, T, Q]
+        return frames_to_tensor(frames), torch.from_numpy(actions), torch.from_numpy(proprio)

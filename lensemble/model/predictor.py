@@ -1,11 +1,15 @@
 """Action-conditioned predictor core g_φ and the local action heads h_ψ^(c).
 
-Shape legend: B batch, T time steps, N tokens per frame, D latent width, W predictor width,
-K embodiment action dim, A shared action-embedding width (d_a).
+Shape legend: B batch, T time steps, C context steps, N tokens per frame, D latent width, W predictor
+width, K embodiment action dim, A shared action-embedding width (d_a), Q proprioception width (the
+federation's padded `model.proprio_dim`).
 
-The predictor sees, for each time step t, the N frame tokens of z_t and one action token h(a_t);
-its mask is block-causal over time (a token at step t attends to every token of steps ≤ t). The
-output at the frame tokens of step t is the prediction ẑ_{t+1}.
+For each time step t the predictor sees N frame tokens of z_t, one proprioception token (q_t through
+the federated proprio encoder) and one action token h(a_t); its mask is block-causal over time (a
+token at step t attends to every token of steps ≤ t). The outputs at step t's frame tokens are the
+prediction ẑ_{t+1}; the output at its proprioception token, through the proprio decoder, is q̂_{t+1}.
+Proprioception enters normalised (divided by the embodiment's `proprio_scale`) and zero-padded to Q;
+the loss reads only the embodiment's own components.
 """
 from __future__ import annotations
 
@@ -33,37 +37,77 @@ class ActionHead(nn.Module):
 
 
 class Predictor(nn.Module):
-    """g_φ: (z_{≤t}, h(a_{≤t})) → ẑ_{t+1}, FEDERATED."""
+    """g_φ: (z_{≤t}, q_{≤t}, h(a_{≤t})) → (ẑ_{t+1}, q̂_{t+1}), FEDERATED (proprio encoder/decoder included)."""
 
-    def __init__(self, latent_dim: int, num_tokens: int, action_embed: int, width: int, depth: int, heads: int, max_steps: int = 64) -> None:
+    def __init__(self, latent_dim: int, num_tokens: int, action_embed: int, width: int, depth: int, heads: int,
+                 max_steps: int, proprio_dim: int) -> None:
         super().__init__()
         self.num_tokens = num_tokens
+        self.max_steps = max_steps
+        self.proprio_dim = proprio_dim
         self.inp = nn.Linear(latent_dim, width)
+        self.proprio_in = nn.Linear(proprio_dim, width)
         self.act = nn.Linear(action_embed, width)
-        self.space = nn.Parameter(torch.randn(1, 1, num_tokens + 1, width) * 0.02)
+        self.space = nn.Parameter(torch.randn(1, 1, num_tokens + 2, width) * 0.02)
         self.time = nn.Parameter(torch.randn(1, max_steps, 1, width) * 0.02)
         self.blocks = nn.ModuleList(Block(width, heads, 4.0) for _ in range(depth))
         self.norm = nn.LayerNorm(width)
         self.out = nn.Linear(width, latent_dim)
+        self.proprio_out = nn.Linear(width, proprio_dim)
 
-    def forward(self, z_BTND: torch.Tensor, act_BTA: torch.Tensor) -> torch.Tensor:
-        """Teacher-forced: ẑ_{t+1} for every t; [B, T, N, D]."""
+    def forward(self, z_BTND: torch.Tensor, q_BTQ: torch.Tensor, act_BTA: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced: (ẑ_{t+1} [B, T, N, D], q̂_{t+1} [B, T, Q]) for every t."""
+        z_next, q_next, _ = self.forward_cached(z_BTND, q_BTQ, act_BTA, None)
+        return z_next, q_next
+
+    def forward_cached(self, z_BTND: torch.Tensor, q_BTQ: torch.Tensor, act_BTA: torch.Tensor, cache: KVCache | None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
+        """Predictions for T new steps that follow the cached ones (time positions t0..t0+T−1, t0 = cached steps).
+
+        Block-causal attention computed incrementally: each new step's tokens attend to every cached
+        step and to the new steps up to their own, so the result equals one pass over the whole
+        sequence. The prediction is a residual: ẑ_{t+1} = z_t + Δ, q̂_{t+1} = q_t + Δq (copying is the
+        starting point, the model learns what moves).
+        """
         B, T, N, _ = z_BTND.shape
-        x = torch.cat([self.inp(z_BTND), self.act(act_BTA)[:, :, None]], dim=2)  # [B, T, N+1, W]
-        x = (x + self.space + self.time[:, :T]).flatten(1, 2)  # [B, T*(N+1), W]
-        mask = block_causal_mask(T, N + 1).to(x.device)
-        for block in self.blocks:
-            x = block(x, mask)
-        x = self.norm(x).reshape(B, T, N + 1, -1)[:, :, :N]
-        return self.out(x)
+        t0 = 0 if cache is None else cache.steps
+        if t0 + T > self.max_steps:
+            raise ValueError(f"the predictor has {self.max_steps} time positions, got a sequence of {t0 + T}")
+        x = torch.cat([self.inp(z_BTND), self.proprio_in(q_BTQ)[:, :, None], self.act(act_BTA)[:, :, None]], dim=2)  # [B, T, N+2, W]
+        x = (x + self.space + self.time[:, t0 : t0 + T]).flatten(1, 2)  # [B, T*(N+2), W]
+        mask = None
+        if T > 1:
+            mask = block_causal_mask(t0 + T, N + 2)[t0 * (N + 2):].to(x.device)  # [T*(N+2), (t0+T)*(N+2)]
+        kv = []
+        for i, block in enumerate(self.blocks):
+            x, layer_kv = block.forward_cached(x, mask, None if cache is None else cache.kv[i])
+            kv.append(layer_kv)
+        x = self.norm(x).reshape(B, T, N + 2, -1)
+        return z_BTND + self.out(x[:, :, :N]), q_BTQ + self.proprio_out(x[:, :, N]), KVCache(kv, t0 + T)
 
 
-def rollout(predictor: Predictor, z0_BND: torch.Tensor, act_BTA: torch.Tensor) -> torch.Tensor:
-    """Autoregressive latent rollout from z_0 under T embedded actions; returns ẑ_1..ẑ_T [B, T, N, D]."""
-    z_hist = z0_BND[:, None]  # [B, 1, N, D]
-    preds = []
-    for t in range(act_BTA.shape[1]):
-        z_next = predictor(z_hist, act_BTA[:, : t + 1])[:, -1]  # [B, N, D]
-        preds.append(z_next)
-        z_hist = torch.cat([z_hist, z_next[:, None]], dim=1)
-    return torch.stack(preds, dim=1)
+class KVCache:
+    """Keys and values of every predictor block for the steps seen so far."""
+
+    def __init__(self, kv: list[tuple[torch.Tensor, torch.Tensor]], steps: int) -> None:
+        self.kv, self.steps = kv, steps
+
+
+def rollout(predictor: Predictor, z_BCND: torch.Tensor, q_BCQ: torch.Tensor, act_BTA: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Autoregressive rollout from a context of C observations under T = C − 1 + H embedded actions
+    (the C − 1 taken between the context's observations, then H new ones).
+
+    Returns the H predicted observations after the context: (ẑ [B, H, N, D], q̂ [B, H, Q]). One
+    block-causal pass over the context, then one cached step per prediction.
+    """
+    C = z_BCND.shape[1]
+    H = act_BTA.shape[1] - C + 1
+    if H < 1:
+        raise ValueError(f"a rollout from {C} context steps needs at least {C} actions, got {act_BTA.shape[1]}")
+    z_all, q_all, cache = predictor.forward_cached(z_BCND, q_BCQ, act_BTA[:, :C], None)
+    zs, qs = [z_all[:, -1]], [q_all[:, -1]]
+    for h in range(1, H):
+        z_next, q_next, cache = predictor.forward_cached(zs[-1][:, None], qs[-1][:, None], act_BTA[:, C + h - 1 : C + h], cache)
+        zs.append(z_next[:, 0])
+        qs.append(q_next[:, 0])
+    return torch.stack(zs, dim=1), torch.stack(qs, dim=1)

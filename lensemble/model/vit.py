@@ -63,12 +63,23 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
 
     def forward(self, x_BSD: torch.Tensor, mask_SS: torch.Tensor | None = None) -> torch.Tensor:
+        return self.forward_cached(x_BSD, mask_SS, None)[0]
+
+    def forward_cached(self, x_BSD: torch.Tensor, mask_SR: torch.Tensor | None,
+                       cache: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The block over S new tokens that also attend to R − S cached ones (keys/values [B, heads, R−S, D/heads]).
+
+        Returns the new tokens' outputs and the keys/values of all R tokens (the next call's cache).
+        `mask_SR` (True = attend) covers new × (cached + new); None lets every new token see all R.
+        """
         B, S, D = x_BSD.shape
         qkv = self.qkv(self.norm1(x_BSD)).reshape(B, S, 3, self.heads, D // self.heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [B, heads, S, D/heads]
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_SS)
+        if cache is not None:
+            k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)  # [B, heads, R, D/heads]
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_SR)
         x_BSD = x_BSD + self.proj(attn.transpose(1, 2).reshape(B, S, D))
-        return x_BSD + self.mlp(self.norm2(x_BSD))
+        return x_BSD + self.mlp(self.norm2(x_BSD)), (k, v)
 
 
 class ViTEncoder(nn.Module):

@@ -20,13 +20,13 @@ FEDERATED_PREFIXES = ("encoder.", "predictor.")
 class WorldModel(nn.Module):
     """f_θ + g_φ + {h_ψ^(c)}."""
 
-    def __init__(self, params: ModelParams, image_size: int, action_dims: Mapping[str, int], max_steps: int = 64) -> None:
+    def __init__(self, params: ModelParams, image_size: int, action_dims: Mapping[str, int], max_steps: int) -> None:
         super().__init__()
         cfg = vit_config(params.encoder)
         self.encoder = ViTEncoder(cfg, image_size, params.patch_size)
         self.predictor = Predictor(
             cfg.width, self.encoder.num_tokens, params.action_dim, params.predictor_width,
-            params.predictor_depth, params.predictor_heads, max_steps,
+            params.predictor_depth, params.predictor_heads, max_steps, params.proprio_dim,
         )
         self.action_heads = nn.ModuleDict({name: ActionHead(k, params.action_dim) for name, k in sorted(action_dims.items())})
 

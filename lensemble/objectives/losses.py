@@ -1,6 +1,7 @@
-"""The objective L = L_pred + λ_sig · SIGReg(z) + λ_anc · L_anchor (DESIGN.md §2), as pure functions.
+"""The objective L = L_pred + λ_prop · L_proprio + λ_sig · SIGReg(z) + λ_anc · L_anchor (DESIGN.md §2), as pure functions.
 
-Shape legend: B batch, T frames, N tokens, D latent width, K action dim, P probe frames.
+Shape legend: B batch, T frames, N tokens, D latent width, K action dim, Q proprio width (padded),
+P probe frames.
 """
 from __future__ import annotations
 
@@ -19,19 +20,43 @@ from lensemble.objectives.sigreg import sigreg
 class LossTerms:
     total: torch.Tensor
     pred: torch.Tensor
+    proprio: torch.Tensor
     sigreg: torch.Tensor
     anchor: torch.Tensor
 
 
-def prediction_loss(predictor: Predictor, z_BTND: torch.Tensor, act_BTA: torch.Tensor, rollout_steps: int) -> torch.Tensor:
-    """Teacher-forced MSE of ẑ_{t+1} vs z_{t+1}, plus an autoregressive rollout from z_0."""
-    pred = predictor(z_BTND[:, :-1], act_BTA[:, :-1])  # [B, T-1, N, D]
-    loss = F.mse_loss(pred, z_BTND[:, 1:])
-    k = min(rollout_steps, z_BTND.shape[1] - 1)
+def prediction_loss(predictor: Predictor, z_BTND: torch.Tensor, q_BTQ: torch.Tensor, act_BTA: torch.Tensor, rollout_steps: int,
+                    proprio_valid: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(latent, proprio) prediction MSE: teacher-forced ẑ_{t+1}, q̂_{t+1} for every t, plus an autoregressive
+    rollout of the window's last k = `rollout_steps` steps from the T - k before them (the context a
+    planner gives it). The proprio error reads the embodiment's first `proprio_valid` components only."""
+    z_pred, q_pred = predictor(z_BTND[:, :-1], q_BTQ[:, :-1], act_BTA[:, :-1])  # [B, T-1, N, D], [B, T-1, Q]
+    lat = F.mse_loss(z_pred, z_BTND[:, 1:])
+    prop = F.mse_loss(q_pred[..., :proprio_valid], q_BTQ[:, 1:, :proprio_valid])
+    T = z_BTND.shape[1]
+    k = min(rollout_steps, T - 1)
     if k > 0:
-        roll = rollout(predictor, z_BTND[:, 0], act_BTA[:, :k])  # [B, k, N, D]
-        loss = loss + F.mse_loss(roll, z_BTND[:, 1 : k + 1])
-    return loss
+        C = T - k
+        z_roll, q_roll = rollout(predictor, z_BTND[:, :C], q_BTQ[:, :C], act_BTA[:, : T - 1])  # [B, k, N, D], [B, k, Q]
+        lat = lat + F.mse_loss(z_roll, z_BTND[:, C:])
+        prop = prop + F.mse_loss(q_roll[..., :proprio_valid], q_BTQ[:, C:, :proprio_valid])
+    return lat, prop
+
+
+def sigreg_tokens(z_BTND: torch.Tensor, sigreg_on: str, sigreg_index: torch.Tensor | None) -> torch.Tensor:
+    """The embeddings SIGReg tests, [n, D].
+
+    `tokens`: every token embedding (a seeded subset); `frames`: one token-mean embedding per frame;
+    `centered_tokens`: token embeddings minus their position's mean over the batch's frames, so the
+    fixed patch layout (what every frame shares at a position) is not what SIGReg spreads, the
+    frame-to-frame variation (the state) is.
+    """
+    if sigreg_on == "frames":
+        return z_BTND.mean(2).flatten(0, 1)  # [B*T, D]
+    if sigreg_on == "centered_tokens":
+        z_BTND = z_BTND - z_BTND.mean(dim=(0, 1), keepdim=True)
+    tokens = z_BTND.flatten(0, 2)  # [B*T*N, D]
+    return tokens[sigreg_index] if sigreg_index is not None else tokens
 
 
 def anchor_loss(encoder: ViTEncoder, probe_PCHW: torch.Tensor, global_probe_PND: torch.Tensor) -> torch.Tensor:
@@ -46,9 +71,12 @@ def world_model_loss(
     head: ActionHead,
     frames_BTCHW: torch.Tensor,
     actions_BTK: torch.Tensor,
+    proprio_BTQ: torch.Tensor,
     directions_DM: torch.Tensor,
     sigreg_index: torch.Tensor | None = None,
     *,
+    proprio_valid: int,
+    proprio_weight: float,
     sigreg_weight: float,
     anchor_weight: float,
     num_knots: int,
@@ -77,18 +105,12 @@ def world_model_loss(
             z = encoder(frames_BTCHW)  # [B, T, N, D]
     with record_function("predictor_step"):
         act = head(actions_BTK)  # [B, T, A]
-        pred = prediction_loss(predictor, z, act, rollout_steps)
+        pred, prop = prediction_loss(predictor, z, proprio_BTQ, act, rollout_steps, proprio_valid)
     with record_function("sigreg_anchor"):
-        if sigreg_on == "frames":
-            tokens = z.mean(2).flatten(0, 1)  # [B*T, D] one pooled embedding per frame
-        else:
-            tokens = z.flatten(0, 2)  # [B*T*N, D]
-            if sigreg_index is not None:
-                tokens = tokens[sigreg_index]
-        reg = sigreg(tokens, directions_DM, num_knots, t_max)
+        reg = sigreg(sigreg_tokens(z, sigreg_on, sigreg_index), directions_DM, num_knots, t_max)
         if use_anchor:
             anc = F.mse_loss(z_probe, global_probe_PND)  # = anchor_loss(encoder, probe, global), same pass
         else:
             anc = torch.zeros((), dtype=pred.dtype)
-    total = pred.float() + sigreg_weight * reg.float() + anchor_weight * anc.float()
-    return LossTerms(total, pred.detach(), reg.detach(), anc.detach())
+    total = pred.float() + proprio_weight * prop.float() + sigreg_weight * reg.float() + anchor_weight * anc.float()
+    return LossTerms(total, pred.detach(), prop.detach(), reg.detach(), anc.detach())

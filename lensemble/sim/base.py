@@ -13,14 +13,35 @@ import numpy as np
 
 
 class Embodiment(ABC):
-    """A simulator adapter. Subclasses set `name`, `action_dim`, `proprio_dim`."""
+    """A simulator adapter. Subclasses set `name`, `action_dim`, `proprio_dim` and the goal energy's weights.
+
+    `proprio_scale` divides each proprioception component so the model sees O(1) values (fixed by the
+    embodiment, never estimated from a site's data). `goal_proprio_weights` and `goal_visual_weight`
+    define the planning energy to a goal observation so that it measures what `success()` measures
+    (e.g. the reacher's fingertip, not its whole arm pose; position, not velocity).
+    """
 
     name: str = ""
     action_dim: int = 0
     proprio_dim: int = 0
+    proprio_scale: tuple[float, ...] = ()
+    goal_proprio_weights: tuple[float, ...] = ()
+    goal_visual_weight: float = 1.0
+    state_components: tuple[int, ...] = ()  # proprio components the embedding's linear probe must recover (position, fingertip)
+    # name → what success() measures, with its tolerance (stated in reports); the first is the default
+    success_criteria: dict[str, str] = {}
 
     def __init__(self, image_size: int = 64) -> None:
         self.image_size = int(image_size)
+        self.criterion = next(iter(self.success_criteria), "")
+
+    def set_success_criterion(self, name: str) -> None:
+        """Judge evaluation episodes by the named criterion; ConfigError naming the known ones."""
+        if name not in self.success_criteria:
+            from lensemble.errors import ConfigError
+
+            raise ConfigError(f"unknown success criterion {name!r} for {self.name}; known: {list(self.success_criteria)}")
+        self.criterion = name
 
     @abstractmethod
     def reset(self, seed: int) -> None:
@@ -49,6 +70,26 @@ class Embodiment(ABC):
     @abstractmethod
     def expert_action(self, rng: np.random.Generator, noise: float) -> np.ndarray:
         """A scripted expert's normalized action towards the goal, with Gaussian `noise`."""
+
+    @abstractmethod
+    def goal_proprio(self) -> np.ndarray:
+        """Proprioception the robot has in the goal observation, float32 [proprio_dim]."""
+
+    @abstractmethod
+    def goal_distance(self) -> float:
+        """The success criterion's own distance to the goal (0 at the goal): the oracle planner's energy."""
+
+    @abstractmethod
+    def snapshot(self) -> object:
+        """The full simulator state, restorable by `restore` (the oracle planner rolls the true simulator)."""
+
+    @abstractmethod
+    def restore(self, snap: object) -> None:
+        """Return to a state taken by `snapshot`."""
+
+    def reset_eval(self, seed: int) -> None:
+        """Start an evaluation episode: the start state and goal of the embodiment's evaluation protocol."""
+        self.reset(seed)
 
     def random_action(self, rng: np.random.Generator) -> np.ndarray:
         """A uniform action in the normalized box."""

@@ -45,6 +45,11 @@ class _GridAgent(Embodiment):
     """Shared dynamics: position integrates a displacement, clipped to the arena."""
 
     proprio_dim = 2
+    proprio_scale = (0.25, 0.25)
+    goal_proprio_weights = (1.0, 1.0)
+    goal_visual_weight = 1.0
+    state_components = (0, 1)
+    success_criteria = {"position": "agent within 0.08 of the goal (unit arena)"}
     step_size = 0.1
     success_radius = 0.08
     radius = 0.14
@@ -76,8 +81,20 @@ class _GridAgent(Embodiment):
     def goal_frame(self) -> np.ndarray:
         return render_disk(self.goal, self.image_size, self.radius, self.color)
 
+    def goal_proprio(self) -> np.ndarray:
+        return self.goal.astype(np.float32)
+
+    def goal_distance(self) -> float:
+        return float(np.linalg.norm(self.pos - self.goal))
+
     def success(self) -> bool:
-        return bool(np.linalg.norm(self.pos - self.goal) < self.success_radius)
+        return self.goal_distance() < self.success_radius
+
+    def snapshot(self) -> np.ndarray:
+        return self.pos.copy()
+
+    def restore(self, snap: np.ndarray) -> None:
+        self.pos = np.asarray(snap, dtype=np.float64).copy()
 
     def set_state(self, pos: np.ndarray, goal: np.ndarray) -> None:
         """Place agent and goal directly (tests and evaluation goals)."""

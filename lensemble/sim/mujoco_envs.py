@@ -67,12 +67,12 @@ POINT_MASS_XML = f"""
     <geom type="box" pos=".315 0 .01" size=".015 .33 .01" rgba=".6 .6 .65 1"/>
     <geom type="box" pos="-.315 0 .01" size=".015 .33 .01" rgba=".6 .6 .65 1"/>
     <body name="target" mocap="true" pos="0 0 .001">
-      <geom type="cylinder" size=".04 .001" rgba=".9 .15 .15 1"/>
+      <geom type="cylinder" size=".05 .001" rgba=".9 .15 .15 1"/>
     </body>
     <body name="mass" pos="0 0 .03">
       <joint name="x" type="slide" axis="1 0 0" damping="5" limited="true" range="-.26 .26"/>
       <joint name="y" type="slide" axis="0 1 0" damping="5" limited="true" range="-.26 .26"/>
-      <geom type="sphere" size=".035" mass="1" rgba=".98 .82 .2 1"/>
+      <geom type="sphere" size=".06" mass="1" rgba=".98 .82 .2 1"/>
       <site name="tip"/>
     </body>
   </worldbody>
@@ -92,20 +92,20 @@ REACHER_XML = f"""
     <camera name="top" pos="0 0 1" xyaxes="1 0 0 0 1 0" projection="orthographic" fovy="0.7"/>
     <geom name="floor" type="plane" size=".35 .35 .01" rgba=".12 .14 .2 1"/>
     <body name="target" mocap="true" pos="0 0 .001">
-      <geom type="cylinder" size=".03 .001" rgba=".9 .15 .15 1"/>
+      <geom type="cylinder" size=".045 .001" rgba=".9 .15 .15 1"/>
     </body>
     <geom type="cylinder" pos="0 0 .005" size=".025 .005" rgba=".45 .45 .5 1"/>
     <body name="link0" pos="0 0 .02">
       <joint name="j0" type="hinge" axis="0 0 1"/>
-      <geom type="capsule" fromto="0 0 0 .12 0 0" size=".02" rgba=".92 .92 .92 1"/>
+      <geom type="capsule" fromto="0 0 0 .12 0 0" size=".026" rgba=".92 .92 .92 1"/>
       <body name="link1" pos=".12 0 0">
         <joint name="j1" type="hinge" axis="0 0 1" limited="true" range="-2.6 2.6"/>
-        <geom type="capsule" fromto="0 0 0 .1 0 0" size=".018" rgba=".3 .65 1 1"/>
+        <geom type="capsule" fromto="0 0 0 .1 0 0" size=".024" rgba=".3 .65 1 1"/>
         <body name="link2" pos=".1 0 0">
           <joint name="j2" type="hinge" axis="0 0 1" limited="true" range="-2.6 2.6"/>
-          <geom type="capsule" fromto="0 0 0 .08 0 0" size=".016" rgba=".3 .95 .5 1"/>
+          <geom type="capsule" fromto="0 0 0 .08 0 0" size=".022" rgba=".3 .95 .5 1"/>
           <body name="finger" pos=".08 0 .005">
-            <geom type="sphere" size=".022" rgba=".98 .82 .2 1"/>
+            <geom type="sphere" size=".045" rgba=".98 .82 .2 1"/>
             <site name="tip"/>
           </body>
         </body>
@@ -145,7 +145,10 @@ class _MujocoEmbodiment(Embodiment):
     """
 
     xml: str = ""
-    frame_skip = 5  # physics steps of 10 ms per env step: one action lasts 50 ms, visibly
+    # physics steps of 10 ms per env step: one action lasts 0.2 s (5 Hz control), so one step moves the
+    # puck or the fingertip ~6 cm (~3 px at 32x32): motion the next frame shows, which a world model can
+    # predict better than "nothing moves". At 50 ms a step moved ~1.5 cm, under a pixel.
+    frame_skip = 20
     success_radius = 0.03
 
     def __init__(self, image_size: int = 64) -> None:
@@ -191,6 +194,26 @@ class _MujocoEmbodiment(Embodiment):
         # mj_step leaves positions-derived fields one substep stale; refresh them for render/success.
         mujoco.mj_forward(self.model, self.data)
 
+    def goal_proprio(self) -> np.ndarray:
+        return self._proprio(self._goal_data)
+
+    def proprio(self) -> np.ndarray:
+        return self._proprio(self.data)
+
+    def _proprio(self, data: mujoco.MjData) -> np.ndarray:
+        raise NotImplementedError
+
+    def goal_distance(self) -> float:
+        return self.distance_to_goal()
+
+    def snapshot(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.data.qpos.copy(), self.data.qvel.copy()
+
+    def restore(self, snap: tuple[np.ndarray, np.ndarray]) -> None:
+        self.data.qpos[:], self.data.qvel[:] = snap
+        self.data.ctrl[:] = 0.0
+        mujoco.mj_forward(self.model, self.data)
+
     def _render(self, data: mujoco.MjData) -> np.ndarray:
         self._renderer.update_scene(data, camera="top")
         return self._renderer.render().copy()  # [H, W, 3] uint8
@@ -221,11 +244,17 @@ class MujocoPointMass(_MujocoEmbodiment):
 
     proprio = [x, y, vx, vy] (metres, m/s). Damping gives a 0.2 s velocity time constant, so the
     puck carries momentum across ~4 env steps: the world model must learn dynamics, not teleports.
+    The goal energy weighs position only (success is a position); the goal's velocity is zero anyway.
     """
 
     name = "mujoco_point"
     action_dim = 2
     proprio_dim = 4
+    proprio_scale = (0.15, 0.15, 0.2, 0.2)
+    goal_proprio_weights = (1.0, 1.0, 0.0, 0.0)
+    goal_visual_weight = 0.1
+    state_components = (0, 1)
+    success_criteria = {"position": "puck centre within 0.03 m of the target"}
     xml = POINT_MASS_XML
     success_radius = 0.03
     arena = 0.24  # start and goal are drawn inside [-arena, arena]^2, away from the joint limits
@@ -236,8 +265,8 @@ class MujocoPointMass(_MujocoEmbodiment):
             if np.linalg.norm(start - goal) > 4 * self.success_radius:
                 return start, goal
 
-    def proprio(self) -> np.ndarray:
-        return np.concatenate([self.data.qpos, self.data.qvel]).astype(np.float32)
+    def _proprio(self, data: mujoco.MjData) -> np.ndarray:
+        return np.concatenate([data.qpos, data.qvel]).astype(np.float32)
 
     def expert_action(self, rng: np.random.Generator, noise: float) -> np.ndarray:
         # PD on position: saturates beyond ~8 cm, damps the approach so it settles on the target.
@@ -251,12 +280,19 @@ class MujocoReacher(_MujocoEmbodiment):
 
     The goal is drawn as a joint configuration and the target is its fingertip, so it is reachable
     and `goal_frame()` shows the exact arm pose. The base joint turns freely; the elbow and wrist
-    stop at ±2.6 rad. proprio = [cos q, sin q, q̇] for the three joints.
+    stop at ±2.6 rad. proprio = [cos q, sin q, q̇] for the three joints, then the fingertip's (x, y)
+    (the end-effector, metres). The goal energy weighs the fingertip only: success needs the fingertip
+    on the target, and the goal image's whole arm pose is one of many that put it there.
     """
 
     name = "mujoco_reacher"
     action_dim = 3
-    proprio_dim = 9
+    proprio_dim = 11
+    proprio_scale = (1.0,) * 9 + (0.15, 0.15)
+    goal_proprio_weights = (0.0,) * 9 + (1.0, 1.0)
+    goal_visual_weight = 0.0
+    state_components = (9, 10)
+    success_criteria = {"fingertip": "fingertip within 0.03 m of the target"}
     xml = REACHER_XML
     success_radius = 0.03
 
@@ -269,9 +305,9 @@ class MujocoReacher(_MujocoEmbodiment):
             if self.distance_to_goal() > 4 * self.success_radius:
                 return start, goal
 
-    def proprio(self) -> np.ndarray:
-        q, qd = self.data.qpos, self.data.qvel
-        return np.concatenate([np.cos(q), np.sin(q), qd]).astype(np.float32)
+    def _proprio(self, data: mujoco.MjData) -> np.ndarray:
+        q, qd = data.qpos, data.qvel
+        return np.concatenate([np.cos(q), np.sin(q), qd, data.site_xpos[self._tip, :2]]).astype(np.float32)
 
     def expert_action(self, rng: np.random.Generator, noise: float) -> np.ndarray:
         # Joint-space PD towards the goal configuration; the base joint takes the short way round.

@@ -1,15 +1,24 @@
 """PushT (gym-pusht): a disk agent pushes a T-shaped block onto a goal pose in a 512×512 workspace.
 
 Action: a normalized target position for the agent, a ∈ [-1, 1]^2 ↦ (a + 1) / 2 · 512 px, which
-the env's PD controller tracks for 10 physics substeps (one env step = 0.1 s). The frame is the
+the env's PD controller tracks for 10 physics substeps per env step (0.1 s); one model step holds it
+for FRAME_SKIP = 5 env steps (0.5 s), DINO-WM's frameskip. The frame is the
 env's 512×512 drawing (white floor, green goal T, grey block, blue agent) reduced to
 image_size×image_size by area averaging (cv2.INTER_AREA: an exact block mean when image_size
 divides 512), not the env's own bilinear 96×96 resize, which aliases thin edges.
 
-Goal: PushT's fixed pose (256, 256, π/4) unless `random_goal=True`, which draws the goal pose from
-the reset seed (the env reads `goal_pose` for drawing and coverage, so overriding it is sound).
-`success()` is the literature's criterion on the block's pose (origin within 20 px, angle within
-π/9), computed from the physics state rather than the env's 95 %-coverage termination.
+Training episodes (`reset`): the goal is PushT's fixed pose (256, 256, π/4) unless
+`random_goal=True`, which draws the goal pose from the reset seed (the env reads `goal_pose` for
+drawing and coverage, so overriding it is sound); `success()` is then the literature's criterion on
+the block's pose (origin within 20 px, angle within π/9), computed from the physics state rather
+than the env's 95 %-coverage termination.
+
+Evaluation episodes (`reset_eval`) follow DINO-WM's protocol: from gym-pusht's random start, the
+scripted expert (no noise) runs GOAL_STEPS_AHEAD model steps (25 env steps); the state it reaches is the goal, its
+rendering and the agent's proprioception there are the goal observation, and the simulator returns
+to the start. Success is DINO-WM's `eval_state`: the 4-vector (agent xy, block xy) within 20 px of
+the goal's and the block angle within π/9. The drawn green T stays at the fixed pose in every frame,
+as in the training data.
 
 Pinned to gym-pusht 0.1.x: rendering uses its `_draw()` and the goal canvas its `_setup()`.
 """
@@ -22,6 +31,7 @@ os.environ.setdefault("PYGAME_HIDE_SUPPORT_PROMPT", "1")  # pygame prints a bann
 import cv2  # noqa: E402
 import numpy as np  # noqa: E402
 import pygame  # noqa: E402
+import pymunk  # noqa: E402
 from gym_pusht.envs.pusht import PushTEnv  # noqa: E402
 
 from lensemble.sim.base import Embodiment  # noqa: E402
@@ -33,6 +43,9 @@ SUCCESS_DIST_PX, SUCCESS_ANGLE = 20.0, np.pi / 9
 BLOCK_REACH = 95.0  # px from the block's centre of gravity that clears the T plus the agent's radius
 ORBIT_STEP = 0.6  # rad the pusher walks round the block per step
 PUSH_TURNS = np.deg2rad([0, 20, -20, 40, -40, 60, -60, 80, -80, 100, -100, 120, -120])
+AGENT_MARKER_PX, AGENT_MARKER_RGB = 36, (65, 105, 225)  # drawn agent radius (workspace px) and gym-pusht's agent blue
+FRAME_SKIP = 5  # env steps (0.1 s each) per model step, DINO-WM's frameskip
+GOAL_STEPS_AHEAD = 5  # model steps = 25 env steps: DINO-WM's goals, 25 env steps ahead of the start on an expert rollout
 
 
 def wrap_angle(a: float) -> float:
@@ -44,6 +57,12 @@ def pose_success(block_pose: np.ndarray, goal_pose: np.ndarray) -> bool:
     """Block origin within 20 px of the goal and orientation within π/9 (T has no symmetry)."""
     close = np.linalg.norm(np.asarray(block_pose[:2]) - goal_pose[:2]) < SUCCESS_DIST_PX
     return bool(close and abs(wrap_angle(block_pose[2] - goal_pose[2])) < SUCCESS_ANGLE)
+
+
+def dino_wm_distance(state: np.ndarray, goal_state: np.ndarray) -> tuple[float, float]:
+    """(px distance of (agent xy, block xy) to the goal's, |block angle error| in rad); state = [ax, ay, bx, by, θ]."""
+    pos = float(np.linalg.norm(np.asarray(state[:4]) - goal_state[:4]))
+    return pos, abs(wrap_angle(state[4] - goal_state[4]))
 
 
 def _rotate(v: np.ndarray, theta: float) -> np.ndarray:
@@ -106,6 +125,16 @@ class PushT(Embodiment):
     name = "pusht"
     action_dim = 2
     proprio_dim = 4
+    proprio_scale = (0.5, 0.5, 1.0, 1.0)
+    goal_proprio_weights = (1.0, 1.0, 0.0, 0.0)  # the agent's position is part of DINO-WM's criterion
+    goal_visual_weight = 1.0  # the block is seen only in the image
+    state_components = (0, 1)
+    success_criteria = {
+        "dino_wm": (f"DINO-WM: (agent xy, block xy) within {SUCCESS_DIST_PX:.0f} px of the goal's and block angle within pi/9; "
+                    f"goal {GOAL_STEPS_AHEAD * FRAME_SKIP} env steps ({GOAL_STEPS_AHEAD} model steps of frameskip {FRAME_SKIP}) ahead of "
+                    "gym-pusht's random start on the noiseless scripted expert"),
+        "pose": f"block origin within {SUCCESS_DIST_PX:.0f} px of PushT's fixed goal pose and angle within pi/9",
+    }
 
     def __init__(self, image_size: int = 64, random_goal: bool = False) -> None:
         super().__init__(image_size)
@@ -115,6 +144,8 @@ class PushT(Embodiment):
         self._canvas._setup()
         self.goal_pose = STANDARD_GOAL.copy()
         self.agent_start = np.full(2, WORKSPACE / 2)
+        self.goal_state: np.ndarray | None = None  # [ax, ay, bx, by, θ] in an evaluation episode, else None
+        self._goal_obs: tuple[np.ndarray, np.ndarray] | None = None
         self.reset(0)  # a valid state before the first explicit reset
 
     def reset(self, seed: int) -> None:
@@ -128,6 +159,26 @@ class PushT(Embodiment):
         self.goal_pose = goal
         self.env.goal_pose = goal.copy()
         self.agent_start = np.array(self.env.agent.position)
+        self.goal_state, self._goal_obs = None, None
+
+    def reset_eval(self, seed: int) -> None:
+        """DINO-WM's protocol: the goal is where the noiseless expert is GOAL_STEPS_AHEAD steps after the start
+        (criterion `pose`: PushT's fixed goal pose, as in training episodes)."""
+        self.reset(seed)
+        if self.criterion != "dino_wm":
+            return
+        start = self.snapshot()
+        rng = np.random.default_rng(seed)
+        for _ in range(GOAL_STEPS_AHEAD):
+            self.step(self.expert_action(rng, 0.0))
+        goal_state = self.state()
+        self._goal_obs = (self.render(), self.proprio())
+        self.restore(start)
+        self.goal_state = goal_state
+
+    def state(self) -> np.ndarray:
+        """[agent x, agent y, block x, block y, block θ] (px, rad): the state DINO-WM's criterion reads."""
+        return np.array([*self.env.agent.position, *self.block_pose()])
 
     def set_state(self, agent_xy: np.ndarray, block_pose: np.ndarray, goal_pose: np.ndarray) -> None:
         """Place agent, block and goal exactly, at rest (tests and evaluation goals)."""
@@ -149,13 +200,29 @@ class PushT(Embodiment):
         env.space.reindex_shapes_for_body(env.block)
 
     def step(self, action_A: np.ndarray) -> None:
+        """One model step: the target position held for FRAME_SKIP env steps (0.1 s each), as DINO-WM's frameskip 5."""
         action_A = np.asarray(action_A, dtype=np.float64)
         if action_A.shape != (self.action_dim,):
             raise ValueError(f"{self.name} takes actions of shape ({self.action_dim},), got {action_A.shape}")
-        self.env.step((np.clip(action_A, -1.0, 1.0) + 1.0) / 2.0 * WORKSPACE)
+        target = (np.clip(action_A, -1.0, 1.0) + 1.0) / 2.0 * WORKSPACE
+        for _ in range(FRAME_SKIP):
+            self._env_step(target)
+
+    def _env_step(self, target_xy: np.ndarray) -> None:
+        """gym-pusht 0.1.x `PushTEnv.step`'s physics (PD on the agent, `n_steps` pymunk substeps), without
+        its observation, reward and shapely coverage (25x the physics' cost; `success()` reads the state)."""
+        env = self.env
+        target = pymunk.Vec2d(float(target_xy[0]), float(target_xy[1]))
+        env._last_action = target_xy
+        for _ in range(int(1 / (env.dt * env.control_hz))):
+            env.agent.velocity += (env.k_p * (target - env.agent.position) + env.k_v * (pymunk.Vec2d(0, 0) - env.agent.velocity)) * env.dt
+            env.space.step(env.dt)
 
     def _frame(self, env: PushTEnv) -> np.ndarray:
         screen = env._draw()  # [512, 512] pygame surface, goal T included
+        # The agent is a 15 px disk, under a pixel at 32-64 px frames: mark it with a larger disk of its
+        # colour so the image carries where it is (the physics keeps the 15 px body).
+        pygame.draw.circle(screen, AGENT_MARKER_RGB, tuple(map(int, env.agent.position)), AGENT_MARKER_PX)
         full = np.frombuffer(pygame.image.tobytes(screen, "RGB"), dtype=np.uint8)
         full = full.reshape(int(WORKSPACE), int(WORKSPACE), 3)  # [H, W, 3], row = workspace y
         size = (self.image_size, self.image_size)
@@ -165,6 +232,8 @@ class PushT(Embodiment):
         return self._frame(self.env)
 
     def goal_frame(self) -> np.ndarray:
+        if self._goal_obs is not None:
+            return self._goal_obs[0].copy()
         self._canvas.goal_pose = self.goal_pose.copy()
         self._place(self._canvas, self.agent_start, self.goal_pose)
         return self._frame(self._canvas)
@@ -178,8 +247,34 @@ class PushT(Embodiment):
         vel = np.array(self.env.agent.velocity) / WORKSPACE
         return np.concatenate([pos, vel]).astype(np.float32)
 
+    def goal_proprio(self) -> np.ndarray:
+        if self._goal_obs is not None:
+            return self._goal_obs[1].copy()
+        return np.array([*(self.agent_start / WORKSPACE * 2.0 - 1.0), 0.0, 0.0], dtype=np.float32)
+
     def success(self) -> bool:
+        if self.goal_state is not None:
+            pos, angle = dino_wm_distance(self.state(), self.goal_state)
+            return pos < SUCCESS_DIST_PX and angle < SUCCESS_ANGLE
         return pose_success(self.block_pose(), self.goal_pose)
+
+    def goal_distance(self) -> float:
+        """Both tolerances as one number: 1 on the edge of either, below 1 inside both."""
+        if self.goal_state is not None:
+            pos, angle = dino_wm_distance(self.state(), self.goal_state)
+        else:
+            pos = float(np.linalg.norm(self.block_pose()[:2] - self.goal_pose[:2]))
+            angle = abs(wrap_angle(self.block_pose()[2] - self.goal_pose[2]))
+        return max(pos / SUCCESS_DIST_PX, angle / SUCCESS_ANGLE) + 0.1 * (pos / SUCCESS_DIST_PX + angle / SUCCESS_ANGLE)
+
+    def snapshot(self) -> tuple:
+        a, b = self.env.agent, self.env.block
+        return (tuple(a.position), tuple(a.velocity), tuple(b.position), b.angle, tuple(b.velocity), b.angular_velocity)
+
+    def restore(self, snap: tuple) -> None:
+        a_pos, a_vel, b_pos, b_angle, b_vel, b_angvel = snap
+        self._place(self.env, np.array(a_pos), np.array([*b_pos, b_angle]))
+        self.env.agent.velocity, self.env.block.velocity, self.env.block.angular_velocity = a_vel, b_vel, b_angvel
 
     def expert_action(self, rng: np.random.Generator, noise: float) -> np.ndarray:
         target = pusher_target(

@@ -16,8 +16,8 @@ EMBODIMENTS: dict[str, tuple[str, str, str | None]] = {
 }
 
 
-def make_embodiment(name: str, image_size: int) -> Embodiment:
-    """Build the adapter named `name`; ConfigError if unknown or its simulator is not installed."""
+def embodiment_class(name: str) -> type[Embodiment]:
+    """The adapter class named `name` (its declared dims, scales and energy weights, no simulator built)."""
     if name not in EMBODIMENTS:
         raise ConfigError(f"unknown embodiment {name!r}; known: {sorted(EMBODIMENTS)}")
     module_name, cls_name, package = EMBODIMENTS[name]
@@ -26,4 +26,9 @@ def make_embodiment(name: str, image_size: int) -> Embodiment:
     except ModuleNotFoundError as exc:
         hint = f"pip install {package}" if package else "reinstall lensemble"
         raise ConfigError(f"embodiment {name!r} needs {exc.name!r}: {hint}") from None
-    return getattr(module, cls_name)(image_size=image_size)
+    return getattr(module, cls_name)
+
+
+def make_embodiment(name: str, image_size: int) -> Embodiment:
+    """Build the adapter named `name`; ConfigError if unknown or its simulator is not installed."""
+    return embodiment_class(name)(image_size=image_size)

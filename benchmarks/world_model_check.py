@@ -1,0 +1,106 @@
+"""Train one world model on pooled episodes (Stage A's loop) and read it: dynamics diagnostics, then
+closed-loop success against the oracle and random actions, per embodiment.
+
+    python benchmarks/world_model_check.py [params.yaml] [key=value ...] [--steps N] [--episodes E] [--cache DIR]
+
+Overrides are dotted params keys (e.g. data.image_size=48 objective.sigreg_on=centered_tokens).
+For searching defaults and measuring what PushT needs; the pipeline's evaluate stage reports the same
+figures for the pipeline's models.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from lensemble.config import parse_params
+from lensemble.data.episodes import generate_episodes, read_episodes, write_episodes
+from lensemble.dynamics import probe_r2, rollout_diagnostics
+from lensemble.evaluation import ORACLE, evaluate
+from lensemble.planning.cem import CEMConfig
+from lensemble.seeds import generator
+from lensemble.sim.registry import make_embodiment
+from lensemble.training import make_optimizer, train_steps
+from lensemble.workflow import build_model, eval_seeds, sampler_for
+
+
+def override(raw: dict, assignment: str) -> None:
+    key, value = assignment.split("=", 1)
+    *path, last = key.split(".")
+    node = raw
+    for k in path:
+        node = node[k]
+    node[last] = yaml.safe_load(value)
+
+
+def episodes(params, emb: str, namespace: str, count: int, cache: Path):
+    d = params.data
+    path = cache / f"{emb}-{namespace}-{count}-{d.image_size}-{d.episode_length}-{d.expert_noise}-{d.random_fraction}.parquet"
+    if not path.is_file():
+        env = make_embodiment(emb, d.image_size)
+        write_episodes(generate_episodes(env, params.run.seed, namespace, count, d.episode_length, d.expert_noise,
+                                         d.random_fraction, d.segment_length), path)
+        env.close()
+    return read_episodes(path, d.image_size)
+
+
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("params", nargs="?", default="params.yaml")
+    ap.add_argument("overrides", nargs="*")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--eval-episodes", type=int, default=8)
+    ap.add_argument("--cache", default="/tmp/lensemble-wm-check")
+    ap.add_argument("--no-closed-loop", action="store_true")
+    args = ap.parse_args(argv)
+    raw = yaml.safe_load(Path(args.params).read_text())
+    for o in args.overrides:
+        override(raw, o)
+    p = parse_params(raw)
+    torch.set_num_threads(p.run.torch_threads)
+    cache = Path(args.cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    train = {s.embodiment: episodes(p, s.embodiment, s.name, s.episodes, cache) for s in p.data.sites}
+    held = {e: episodes(p, e, f"probe/{e}", p.data.probe_episodes, cache) for e in train}
+    print(f"data {time.perf_counter() - t0:.1f}s", flush=True)
+    model = build_model(p, "centralized")
+    steps = args.steps or p.centralized.steps
+    t0 = time.perf_counter()
+    log = train_steps(model, make_optimizer(model, p.train), [(e, sampler_for(eps, p)) for e, eps in sorted(train.items())], steps,
+                      train=p.train, objective=p.objective, run_seed=p.run.seed, round_idx=0, data_key="centralized")
+    train_s = time.perf_counter() - t0
+    tail = {k: sum(v[-50:]) / len(v[-50:]) for k, v in vars(log).items() if v}
+    print(f"train {steps} steps {train_s:.1f}s ({train_s / steps * 1e3:.0f} ms/step); last-50 losses {tail}", flush=True)
+    c = p.evaluate.cem
+    out = {}
+    for emb in sorted(train):
+        diag = rollout_diagnostics(model, held[emb], c.context, c.horizon, p.model.proprio_dim, p.run.seed)
+        diag["probe_r2"] = probe_r2(model, train[emb], held[emb])
+        out[emb] = diag
+        print(emb, json.dumps({k: (round(v, 3) if isinstance(v, float) else [round(x, 3) for x in v]) for k, v in diag.items()}), flush=True)
+    if args.no_closed_loop:
+        return
+    cfg = CEMConfig(c.samples, c.elites, c.iterations, c.horizon)
+    for emb in sorted(train):
+        env = make_embodiment(emb, p.data.image_size)
+        if emb in p.evaluate.success:
+            env.set_success_criterion(p.evaluate.success[emb])
+        seeds = list(eval_seeds(p, emb))[: args.eval_episodes]
+        row = {}
+        for name, agent in (("model", model), ("oracle", ORACLE), ("random", None)):
+            t0 = time.perf_counter()
+            r = evaluate(env, seeds, p.evaluate.max_steps, agent, cfg, generator(p.run.seed, f"cem/{name}"), c.execute_steps,
+                         c.context, p.model.proprio_dim)
+            row[name] = (r["success_rate"], round(r["plan_seconds"], 3), round(time.perf_counter() - t0, 1))
+        print(emb, "success (rate, plan s, wall s):", row, flush=True)
+        env.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,119 @@
+"""Dynamics diagnostics: does the world model predict, use its actions, and see the state?
+
+Computed on held-out episodes (the public probe set), before any success rate is read:
+- `rollout_vs_copy`: error of the H-step rollout under the episode's real actions, over the error of
+  "nothing moves" (copying the last context observation), per step 1..H, for the latent and for
+  the proprioception. Below 1: better than copying.
+- `action_sensitivity`: the same rollout error with the actions shuffled across windows, over the
+  error with the real ones. A model that ignores its actions scores 1.
+- `probe_r2`: R² of a ridge probe from a frame's embedding (all its tokens) to the embodiment's
+  state components (`state_components`: position, fingertip), fitted on the site's training
+  episodes and scored on the held-out ones.
+
+Shape legend: E episodes, L steps, W windows, C context, H horizon, N tokens, D latent, Q proprio width.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from lensemble.data.episodes import Episodes
+from lensemble.data.windows import frames_to_tensor, proprio_features
+from lensemble.model.predictor import rollout
+from lensemble.model.world_model import WorldModel
+from lensemble.sim.registry import embodiment_class
+
+RIDGE_GRID = (1e-2, 1e-1, 1.0, 10.0, 100.0, 1000.0)
+
+
+@torch.no_grad()
+def encode_episodes(model: WorldModel, frames_ELHWC: np.ndarray, batch: int = 256) -> torch.Tensor:
+    """Embeddings of every frame, [E, L, N, D]."""
+    E, L = frames_ELHWC.shape[:2]
+    flat = frames_ELHWC.reshape(E * L, *frames_ELHWC.shape[2:])
+    out = [model.encoder(frames_to_tensor(flat[i : i + batch])[:, None])[:, 0] for i in range(0, E * L, batch)]
+    return torch.cat(out).float().reshape(E, L, *out[0].shape[1:])
+
+
+def _windows(E: int, L: int, span: int, stride: int) -> list[tuple[int, int]]:
+    return [(e, s) for e in range(E) for s in range(0, L - span + 1, stride)]
+
+
+@torch.no_grad()
+def rollout_errors(model: WorldModel, eps: Episodes, context: int, horizon: int, proprio_width: int,
+                   shuffle_gen: torch.Generator | None = None) -> dict[str, np.ndarray]:
+    """Per-step squared errors [H] of the rollout (latent, proprio) and of the copy baseline.
+
+    With `shuffle_gen`, each window's actions are replaced by another window's (a seeded permutation).
+    """
+    model.eval()
+    z_ELND = encode_episodes(model, eps.frames_ELHWC)
+    q_ELQ = proprio_features(eps.proprio_ELP, eps.embodiment, proprio_width)
+    p = eps.proprio_ELP.shape[-1]
+    span = context + horizon
+    idx = _windows(*eps.frames_ELHWC.shape[:2], span, stride=max(1, horizon))
+    e = torch.tensor([i for i, _ in idx])
+    steps = torch.tensor([s for _, s in idx])[:, None] + torch.arange(span)[None]  # [W, C+H]
+    z, q = z_ELND[e[:, None], steps], q_ELQ[e[:, None], steps]  # [W, C+H, N, D], [W, C+H, Q]
+    a = torch.from_numpy(eps.actions_ELK)[e[:, None], steps[:, : span - 1]]  # [W, C+H-1, K]
+    if shuffle_gen is not None:
+        a = a[torch.randperm(a.shape[0], generator=shuffle_gen)]
+    z_hat, q_hat = rollout(model.predictor, z[:, :context], q[:, :context], model.action_heads[eps.embodiment](a))
+    z_true, q_true = z[:, context:], q[:, context:, :p]
+    z_copy, q_copy = z[:, context - 1 : context], q[:, context - 1 : context, :p]
+    return {
+        "latent": (z_hat - z_true).square().mean(dim=(0, 2, 3)).numpy(),
+        "proprio": (q_hat[..., :p] - q_true).square().mean(dim=(0, 2)).numpy(),
+        "latent_copy": (z_copy - z_true).square().mean(dim=(0, 2, 3)).numpy(),
+        "proprio_copy": (q_copy - q_true).square().mean(dim=(0, 2)).numpy(),
+    }
+
+
+def rollout_diagnostics(model: WorldModel, eps: Episodes, context: int, horizon: int, proprio_width: int, seed: int) -> dict:
+    """rollout_vs_copy per step (latent and proprio) and action sensitivity (latent and proprio)."""
+    real = rollout_errors(model, eps, context, horizon, proprio_width)
+    shuffled = rollout_errors(model, eps, context, horizon, proprio_width, torch.Generator().manual_seed(seed))
+    return {
+        "rollout_vs_copy": [float(x) for x in real["latent"] / np.maximum(real["latent_copy"], 1e-12)],
+        "rollout_vs_copy_proprio": [float(x) for x in real["proprio"] / np.maximum(real["proprio_copy"], 1e-12)],
+        "action_sensitivity": float(shuffled["latent"].mean() / max(real["latent"].mean(), 1e-12)),
+        "action_sensitivity_proprio": float(shuffled["proprio"].mean() / max(real["proprio"].mean(), 1e-12)),
+    }
+
+
+def ridge_r2(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray) -> float:
+    """R² on the test set of a ridge regression (features standardised on train; λ picked on a held-out
+    fifth of train from RIDGE_GRID), averaged over target components."""
+    mu, sd = x_train.mean(0), x_train.std(0) + 1e-6
+    xt, xs = (x_train - mu) / sd, (x_test - mu) / sd
+    y_mu = y_train.mean(0)
+
+    def fit(x: np.ndarray, y: np.ndarray, lam: float) -> np.ndarray:
+        # dual form when features outnumber rows: w = Xᵀ (X Xᵀ + λI)⁻¹ y
+        if x.shape[1] > x.shape[0]:
+            return x.T @ np.linalg.solve(x @ x.T + lam * np.eye(x.shape[0]), y)
+        return np.linalg.solve(x.T @ x + lam * np.eye(x.shape[1]), x.T @ y)
+
+    def r2(y: np.ndarray, y_hat: np.ndarray) -> float:
+        ss_res = ((y - y_hat) ** 2).sum(0)
+        ss_tot = ((y - y.mean(0)) ** 2).sum(0) + 1e-12
+        return float((1.0 - ss_res / ss_tot).mean())
+
+    n_val = max(1, len(xt) // 5)
+    best = max(RIDGE_GRID, key=lambda lam: r2(y_train[-n_val:], xt[-n_val:] @ fit(xt[:-n_val], y_train[:-n_val] - y_mu, lam) + y_mu))
+    w = fit(xt, y_train - y_mu, best)
+    return r2(y_test, xs @ w + y_mu)
+
+
+@torch.no_grad()
+def probe_r2(model: WorldModel, train: Episodes, held_out: Episodes, max_train_frames: int = 1024) -> float:
+    """Linear-probe R² of the embodiment's state components from a frame's flattened token embeddings."""
+    comps = list(embodiment_class(train.embodiment).state_components)
+    E, L = train.frames_ELHWC.shape[:2]
+    stride = max(1, (E * L) // max_train_frames)
+    flat_f = train.frames_ELHWC.reshape(E * L, *train.frames_ELHWC.shape[2:])[::stride]
+    flat_p = train.proprio_ELP.reshape(E * L, -1)[::stride]
+    x_train = encode_episodes(model, flat_f[None])[0].flatten(1).numpy().astype(np.float64)
+    x_test = encode_episodes(model, held_out.frames_ELHWC).flatten(0, 1).flatten(1).numpy().astype(np.float64)
+    y_test = held_out.proprio_ELP.reshape(-1, held_out.proprio_ELP.shape[-1])[:, comps]
+    return ridge_r2(x_train, flat_p[:, comps].astype(np.float64), x_test, y_test.astype(np.float64))
