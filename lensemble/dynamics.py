@@ -55,7 +55,7 @@ def rollout_errors(model: WorldModel, eps: Episodes, context: int, horizon: int,
     e = torch.tensor([i for i, _ in idx])
     steps = torch.tensor([s for _, s in idx])[:, None] + torch.arange(span)[None]  # [W, C+H]
     z, q = z_ELND[e[:, None], steps], q_ELQ[e[:, None], steps]  # [W, C+H, N, D], [W, C+H, Q]
-    a = torch.from_numpy(eps.actions_ELK)[e[:, None], steps[:, : span - 1]]  # [W, C+H-1, K]
+    a = torch.tensor(eps.actions_ELK)[e[:, None], steps[:, : span - 1]]  # [W, C+H-1, K]; a copy (the store is read-only)
     if shuffle_gen is not None:
         a = a[torch.randperm(a.shape[0], generator=shuffle_gen)]
     z_hat, q_hat = rollout(model.predictor, z[:, :context], q[:, :context], model.action_heads[eps.embodiment](a))

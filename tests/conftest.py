@@ -28,6 +28,7 @@ def micro_params() -> dict:
         {"name": "site_b", "embodiment": "grid_thruster", "episodes": 3},
     ]
     raw["data"]["image_size"] = 16
+    raw["model"]["patch_size"] = 8
     raw["objective"]["sketch_dim"] = 8
     raw["objective"]["sigreg_tokens"] = 64
     raw["train"]["batch_size"] = 4

@@ -65,3 +65,38 @@ def test_pair_sampling_is_bounded_and_distinct():
     pairs = sample_pairs(sites, 10, np.random.default_rng(0))
     assert len(pairs) == 10 and len(set(pairs)) == 10 and all(a < b for a, b in pairs)
     assert len(sample_pairs(sites[:3], 10, np.random.default_rng(0))) == 3
+
+
+def test_collapse_tripwire_reads_the_pooled_model_not_round_one():
+    from lensemble.gauge import collapse_tripwire
+
+    pooled = [10.0, 12.0, 12.0, 12.0]
+    assert not collapse_tripwire([9.0, 11.0, 11.5, 12.0], pooled, 0.5)
+    # a run that starts collapsed and partly recovers: a round-1 reference would never trip on it
+    planted = [1.8, 3.0, 9.9, 10.5]
+    assert collapse_tripwire(planted, pooled, 0.5)
+    assert min(planted[1:]) >= 0.5 * planted[0]  # ... while "half of round 1" stays quiet
+    # a late collapse trips too
+    assert collapse_tripwire([9.0, 11.0, 5.0, 4.0], pooled, 0.5)
+    with pytest.raises(ValueError, match="3 federated rounds but 4 pooled checkpoints"):
+        collapse_tripwire([1.0, 2.0, 3.0], pooled, 0.5)
+
+
+def test_collapse_tripwire_fires_on_a_planted_collapsed_embedding():
+    from lensemble.gauge import collapse_tripwire
+
+    gen = torch.Generator().manual_seed(0)
+    healthy = torch.randn(256, 16, generator=gen)
+    collapsed = torch.randn(256, 1, generator=gen) @ torch.randn(1, 16, generator=gen) + 0.01 * torch.randn(256, 16, generator=gen)
+    pooled = effective_dim(healthy)["rankme"]
+    assert collapse_tripwire([effective_dim(collapsed)["rankme"]], [pooled], 0.5)
+    assert not collapse_tripwire([effective_dim(healthy[torch.randperm(256, generator=gen)])["rankme"]], [pooled], 0.5)
+
+
+def test_rounds_read_the_pooled_checkpoint_at_the_same_fraction_of_training():
+    from flows.gauge import matched_pooled
+
+    curve = [{"step": s, "rankme": float(s)} for s in (200, 400, 600, 800, 1000)]
+    assert [c["step"] for c in matched_pooled(curve, 5)] == [200, 400, 600, 800, 1000]
+    assert [c["step"] for c in matched_pooled(curve, 2)] == [400, 1000]  # a tie (0.4 vs 0.6 of 0.5) takes the earlier
+    assert [c["step"] for c in matched_pooled(curve, 10)][:2] == [200, 200]

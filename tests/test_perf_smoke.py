@@ -46,7 +46,7 @@ def _cycle(transport_name: str) -> tuple[dict, dict[str, int], float]:
         eps = generate_episodes(env, 0, site, 2, p.data.episode_length, 0.5, 0.3, 4)
         local = build_model(p, f"site/{site}")
         load_federated(local, global_state)
-        train_steps(local, make_optimizer(local, p.train), [(emb, WindowSampler(eps, p.data.num_steps))], p.federate.inner_steps,
+        train_steps(local, make_optimizer(local, p.train), [(emb, WindowSampler(eps, p.data.num_steps, p.model.proprio_dim))], p.federate.inner_steps,
                     train=p.train, objective=p.objective, run_seed=0, round_idx=0, data_key=site)
         state = federated_state(local)
         deltas[site] = {n: state[n] - global_state[n] for n in spec_names(spec)}

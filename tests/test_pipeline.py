@@ -41,10 +41,20 @@ def test_pipeline_end_to_end(prefect_server, project):
     assert fed["transport"] == "secure_int8" and len(fed["global_params_sha256"]) == 64
     assert fed["bytes_per_param"] < 2.6  # 2 bytes/param + headers, keys and signatures on a tiny model
     ev = json.loads((reports / "eval.json").read_text())
-    assert set(ev["sites"]["site_a"]) >= {"centralized", "federated", "random"}
+    assert set(ev["sites"]["site_a"]) >= {"centralized", "federated", "local_only", "oracle", "random", "diagnostics"}
+    for emb in ("grid_point", "grid_thruster"):  # every table reads each model against the oracle and the floor
+        assert {"centralized", "federated", "local_only", "oracle", "random", "of_oracle", "success_criterion"} <= set(ev["embodiments"][emb])
+    diag = ev["sites"]["site_a"]["diagnostics"]["federated"]
+    assert len(diag["rollout_vs_copy"]) == 2 and diag["action_sensitivity"] > 0 and diag["probe_r2"] <= 1.0
+    assert "oracle" in report and "Dynamics diagnostics" in report
     records = [json.loads(line) for line in (reports / "metrics.jsonl").read_text().splitlines()]
     names = {r["name"] for r in records}
-    assert {"loss/pred", "loss/sigreg", "loss/anchor", "fed/comm_bytes", "gauge/drift_angle_deg", "gauge/effective_dim"} <= names
+    assert {"loss/pred", "loss/proprio", "loss/sigreg", "loss/anchor", "fed/comm_bytes", "gauge/drift_angle_deg", "gauge/effective_dim",
+            "gauge/effective_dim_vs_pooled", "eval/rollout_vs_copy", "eval/action_sensitivity", "eval/probe_r2",
+            "eval/rollout_vs_copy/federated", "eval/success_rate/oracle"} <= names
+    # the global model entering each round is diagnosed at every site
+    per_round = [r for r in records if r["name"] == "eval/probe_r2" and r["round"] is not None]
+    assert len(per_round) == 2 * 2
     assert all(set(r) == {"run_id", "stage", "round", "participant", "name", "value", "step", "timestamp"} for r in records)
     # the comms accountant: one fed/comm_bytes per (round, site), equal to the transport's own formula
     comm = [r for r in records if r["name"] == "fed/comm_bytes"]
@@ -68,6 +78,10 @@ def test_pipeline_end_to_end(prefect_server, project):
     lowest = min(r["effective_dim"] for r in gauge["per_round"]) / gauge["final"]["latent_dim"]
     assert gauge["effective_dim_fraction_min"] == lowest
     assert by_stage["gauge"]["gauge/effective_dim_fraction"] == pytest.approx(lowest, rel=1e-12)
+    # federated vs pooled at the same fraction of training, every round; the tripwire reads the same pairs
+    ratios = [r["effective_dim"] / r["pooled_effective_dim"] for r in gauge["per_round"]]
+    assert gauge["effective_dim_vs_pooled_min"] == pytest.approx(min(ratios))
+    assert gauge["collapse_tripwire"] == any(x < 0.5 for x in ratios)
 
 
 def test_two_federations_with_one_seed_are_bitwise_identical(prefect_server, project, tmp_path, monkeypatch):

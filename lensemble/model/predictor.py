@@ -54,6 +54,12 @@ class Predictor(nn.Module):
         self.norm = nn.LayerNorm(width)
         self.out = nn.Linear(width, latent_dim)
         self.proprio_out = nn.Linear(width, proprio_dim)
+        # Zero-initialised output layers: an untrained predictor says "nothing moves" (the residual's copy)
+        # and training adds only the change it can explain, instead of starting from random deltas larger
+        # than a step's real change (a 3 px motion moves a token by ~0.1 of its spread).
+        for layer in (self.out, self.proprio_out):
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
 
     def forward(self, z_BTND: torch.Tensor, q_BTQ: torch.Tensor, act_BTA: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Teacher-forced: (ẑ_{t+1} [B, T, N, D], q̂_{t+1} [B, T, Q]) for every t."""
