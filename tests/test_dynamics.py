@@ -37,7 +37,7 @@ class PlantedPredictor(nn.Module):
         super().__init__()
         self.copy = copy
 
-    def forward_cached(self, z_BTND, q_BTQ, act_BTA, cache):
+    def forward(self, z_BTND, q_BTQ, act_BTA, cache=None, return_cache=False):
         if self.copy:
             return z_BTND, q_BTQ, KVCache([], 0)
         p = ((z_BTND[..., :2] + 1) / 2 + STEP * act_BTA[:, :, None, :2]).clamp(ARENA_LOW, ARENA_HIGH)  # [B, T, 1, 2]

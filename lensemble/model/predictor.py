@@ -61,14 +61,10 @@ class Predictor(nn.Module):
             nn.init.zeros_(layer.weight)
             nn.init.zeros_(layer.bias)
 
-    def forward(self, z_BTND: torch.Tensor, q_BTQ: torch.Tensor, act_BTA: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Teacher-forced: (ẑ_{t+1} [B, T, N, D], q̂_{t+1} [B, T, Q]) for every t."""
-        z_next, q_next, _ = self.forward_cached(z_BTND, q_BTQ, act_BTA, None)
-        return z_next, q_next
-
-    def forward_cached(self, z_BTND: torch.Tensor, q_BTQ: torch.Tensor, act_BTA: torch.Tensor, cache: KVCache | None,
-                       ) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
-        """Predictions for T new steps that follow the cached ones (time positions t0..t0+T−1, t0 = cached steps).
+    def forward(self, z_BTND: torch.Tensor, q_BTQ: torch.Tensor, act_BTA: torch.Tensor, cache: KVCache | None = None,
+                return_cache: bool = False):
+        """Teacher-forced: (ẑ_{t+1} [B, T, N, D], q̂_{t+1} [B, T, Q]) for every t of T new steps that follow the
+        cached ones (time positions t0..t0+T−1, t0 = cached steps); with `return_cache`, also the new cache.
 
         Block-causal attention computed incrementally: each new step's tokens attend to every cached
         step and to the new steps up to their own, so the result equals one pass over the whole
@@ -86,10 +82,11 @@ class Predictor(nn.Module):
             mask = block_causal_mask(t0 + T, N + 2)[t0 * (N + 2):].to(x.device)  # [T*(N+2), (t0+T)*(N+2)]
         kv = []
         for i, block in enumerate(self.blocks):
-            x, layer_kv = block.forward_cached(x, mask, None if cache is None else cache.kv[i])
+            x, layer_kv = block(x, mask, None if cache is None else cache.kv[i], return_kv=True)
             kv.append(layer_kv)
         x = self.norm(x).reshape(B, T, N + 2, -1)
-        return z_BTND + self.out(x[:, :, :N]), q_BTQ + self.proprio_out(x[:, :, N]), KVCache(kv, t0 + T)
+        z_next, q_next = z_BTND + self.out(x[:, :, :N]), q_BTQ + self.proprio_out(x[:, :, N])
+        return (z_next, q_next, KVCache(kv, t0 + T)) if return_cache else (z_next, q_next)
 
 
 class KVCache:
@@ -110,10 +107,10 @@ def rollout(predictor: Predictor, z_BCND: torch.Tensor, q_BCQ: torch.Tensor, act
     H = act_BTA.shape[1] - C + 1
     if H < 1:
         raise ValueError(f"a rollout from {C} context steps needs at least {C} actions, got {act_BTA.shape[1]}")
-    z_all, q_all, cache = predictor.forward_cached(z_BCND, q_BCQ, act_BTA[:, :C], None)
+    z_all, q_all, cache = predictor(z_BCND, q_BCQ, act_BTA[:, :C], return_cache=True)
     zs, qs = [z_all[:, -1]], [q_all[:, -1]]
     for h in range(1, H):
-        z_next, q_next, cache = predictor.forward_cached(zs[-1][:, None], qs[-1][:, None], act_BTA[:, C + h - 1 : C + h], cache)
+        z_next, q_next, cache = predictor(zs[-1][:, None], qs[-1][:, None], act_BTA[:, C + h - 1 : C + h], cache, return_cache=True)
         zs.append(z_next[:, 0])
         qs.append(q_next[:, 0])
     return torch.stack(zs, dim=1), torch.stack(qs, dim=1)

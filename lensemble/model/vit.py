@@ -62,15 +62,13 @@ class Block(nn.Module):
         hidden = int(width * mlp_ratio)
         self.mlp = nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
 
-    def forward(self, x_BSD: torch.Tensor, mask_SS: torch.Tensor | None = None) -> torch.Tensor:
-        return self.forward_cached(x_BSD, mask_SS, None)[0]
-
-    def forward_cached(self, x_BSD: torch.Tensor, mask_SR: torch.Tensor | None,
-                       cache: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def forward(self, x_BSD: torch.Tensor, mask_SR: torch.Tensor | None = None, cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+                return_kv: bool = False):
         """The block over S new tokens that also attend to R − S cached ones (keys/values [B, heads, R−S, D/heads]).
 
-        Returns the new tokens' outputs and the keys/values of all R tokens (the next call's cache).
         `mask_SR` (True = attend) covers new × (cached + new); None lets every new token see all R.
+        With `return_kv`, also the keys/values of all R tokens (the next call's cache). Always called
+        through `__call__`, so module hooks (FSDP's unshard) run for cached steps too.
         """
         B, S, D = x_BSD.shape
         qkv = self.qkv(self.norm1(x_BSD)).reshape(B, S, 3, self.heads, D // self.heads)
@@ -79,7 +77,8 @@ class Block(nn.Module):
             k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)  # [B, heads, R, D/heads]
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_SR)
         x_BSD = x_BSD + self.proj(attn.transpose(1, 2).reshape(B, S, D))
-        return x_BSD + self.mlp(self.norm2(x_BSD)), (k, v)
+        out = x_BSD + self.mlp(self.norm2(x_BSD))
+        return (out, (k, v)) if return_kv else out
 
 
 class ViTEncoder(nn.Module):
