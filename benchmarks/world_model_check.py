@@ -20,7 +20,7 @@ import yaml
 
 from lensemble.config import parse_params
 from lensemble.data.episodes import generate_episodes, read_episodes, write_episodes
-from lensemble.dynamics import probe_r2, rollout_diagnostics
+from lensemble.dynamics import dynamics_report
 from lensemble.evaluation import ORACLE, evaluate
 from lensemble.planning.cem import CEMConfig
 from lensemble.seeds import generator
@@ -80,8 +80,7 @@ def main(argv: list[str]) -> None:
     c = p.evaluate.cem
     out = {}
     for emb in sorted(train):
-        diag = rollout_diagnostics(model, held[emb], c.context, c.horizon, p.model.proprio_dim, p.run.seed)
-        diag["probe_r2"] = probe_r2(model, train[emb], held[emb])
+        diag = dynamics_report(model, train[emb], held[emb], c.context, c.horizon, p.model.proprio_dim, p.run.seed)
         out[emb] = diag
         print(emb, json.dumps({k: (round(v, 3) if isinstance(v, float) else [round(x, 3) for x in v]) for k, v in diag.items()}), flush=True)
     if args.no_closed_loop:

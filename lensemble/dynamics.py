@@ -41,13 +41,15 @@ def _windows(E: int, L: int, span: int, stride: int) -> list[tuple[int, int]]:
 
 @torch.no_grad()
 def rollout_errors(model: WorldModel, eps: Episodes, context: int, horizon: int, proprio_width: int,
-                   shuffle_gen: torch.Generator | None = None) -> dict[str, np.ndarray]:
+                   shuffle_gen: torch.Generator | None = None, z_ELND: torch.Tensor | None = None) -> dict[str, np.ndarray]:
     """Per-step squared errors [H] of the rollout (latent, proprio) and of the copy baseline.
 
     With `shuffle_gen`, each window's actions are replaced by another window's (a seeded permutation).
+    `z_ELND`: the episodes' embeddings when the caller has them already.
     """
     model.eval()
-    z_ELND = encode_episodes(model, eps.frames_ELHWC)
+    if z_ELND is None:
+        z_ELND = encode_episodes(model, eps.frames_ELHWC)
     q_ELQ = proprio_features(eps.proprio_ELP, eps.embodiment, proprio_width)
     p = eps.proprio_ELP.shape[-1]
     span = context + horizon
@@ -69,10 +71,13 @@ def rollout_errors(model: WorldModel, eps: Episodes, context: int, horizon: int,
     }
 
 
-def rollout_diagnostics(model: WorldModel, eps: Episodes, context: int, horizon: int, proprio_width: int, seed: int) -> dict:
+def rollout_diagnostics(model: WorldModel, eps: Episodes, context: int, horizon: int, proprio_width: int, seed: int,
+                        z_ELND: torch.Tensor | None = None) -> dict:
     """rollout_vs_copy per step (latent and proprio) and action sensitivity (latent and proprio)."""
-    real = rollout_errors(model, eps, context, horizon, proprio_width)
-    shuffled = rollout_errors(model, eps, context, horizon, proprio_width, torch.Generator().manual_seed(seed))
+    if z_ELND is None:
+        z_ELND = encode_episodes(model, eps.frames_ELHWC)
+    real = rollout_errors(model, eps, context, horizon, proprio_width, z_ELND=z_ELND)
+    shuffled = rollout_errors(model, eps, context, horizon, proprio_width, torch.Generator().manual_seed(seed), z_ELND)
     return {
         "rollout_vs_copy": [float(x) for x in real["latent"] / np.maximum(real["latent_copy"], 1e-12)],
         "rollout_vs_copy_proprio": [float(x) for x in real["proprio"] / np.maximum(real["proprio_copy"], 1e-12)],
@@ -106,7 +111,8 @@ def ridge_r2(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_tes
 
 
 @torch.no_grad()
-def probe_r2(model: WorldModel, train: Episodes, held_out: Episodes, max_train_frames: int = 1024) -> float:
+def probe_r2(model: WorldModel, train: Episodes, held_out: Episodes, max_train_frames: int = 1024,
+             held_out_z: torch.Tensor | None = None) -> float:
     """Linear-probe R² of the embodiment's state components from a frame's flattened token embeddings."""
     comps = list(embodiment_class(train.embodiment).state_components)
     E, L = train.frames_ELHWC.shape[:2]
@@ -114,6 +120,16 @@ def probe_r2(model: WorldModel, train: Episodes, held_out: Episodes, max_train_f
     flat_f = train.frames_ELHWC.reshape(E * L, *train.frames_ELHWC.shape[2:])[::stride]
     flat_p = train.proprio_ELP.reshape(E * L, -1)[::stride]
     x_train = encode_episodes(model, flat_f[None])[0].flatten(1).numpy().astype(np.float64)
-    x_test = encode_episodes(model, held_out.frames_ELHWC).flatten(0, 1).flatten(1).numpy().astype(np.float64)
+    if held_out_z is None:
+        held_out_z = encode_episodes(model, held_out.frames_ELHWC)
+    x_test = held_out_z.flatten(0, 1).flatten(1).numpy().astype(np.float64)
     y_test = held_out.proprio_ELP.reshape(-1, held_out.proprio_ELP.shape[-1])[:, comps]
     return ridge_r2(x_train, flat_p[:, comps].astype(np.float64), x_test, y_test.astype(np.float64))
+
+
+def dynamics_report(model: WorldModel, train: Episodes, held_out: Episodes, context: int, horizon: int, proprio_width: int,
+                    seed: int) -> dict:
+    """Every diagnostic of one model on one embodiment (the held-out frames encoded once)."""
+    z_ELND = encode_episodes(model, held_out.frames_ELHWC)
+    diag = rollout_diagnostics(model, held_out, context, horizon, proprio_width, seed, z_ELND)
+    return {**diag, "probe_r2": probe_r2(model, train, held_out, held_out_z=z_ELND)}

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -127,15 +127,16 @@ def oracle_rollout_fn(env: Embodiment):
 class History:
     """The episode so far as the world model reads it: latents [t, N, D], proprio features [t, Q], actions [t, K]."""
 
-    z: list[torch.Tensor]
-    q: list[torch.Tensor]
-    actions: list[torch.Tensor]
+    action_dim: int
+    z: list[torch.Tensor] = field(default_factory=list)
+    q: list[torch.Tensor] = field(default_factory=list)
+    actions: list[torch.Tensor] = field(default_factory=list)
 
     def context(self, c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The last ≤ c observations and the actions between them."""
+        """The last ≤ c observations [n, N, D], [n, Q] and the n − 1 actions between them [n − 1, K]."""
         n = min(c, len(self.z))
         past = self.actions[len(self.actions) - (n - 1):] if n > 1 else []
-        past_CK = torch.stack(past) if past else torch.zeros(0, self.actions[0].shape[0] if self.actions else 0)
+        past_CK = torch.stack(past) if past else torch.zeros(0, self.action_dim)
         return torch.stack(self.z[-n:]), torch.stack(self.q[-n:]), past_CK
 
 
@@ -152,7 +153,7 @@ def run_episode(env: Embodiment, seed: int, max_steps: int, agent: Agent, cfg: C
     plan_seconds: list[float] = []
     plan, queued = None, []
     is_model = isinstance(agent, WorldModel)
-    hist = History([], [], [])
+    hist = History(env.action_dim)
     if is_model:
         agent.eval()
         goal = goal_observation(env)
@@ -172,8 +173,6 @@ def run_episode(env: Embodiment, seed: int, max_steps: int, agent: Agent, cfg: C
                 t0 = time.perf_counter()
                 if is_model:
                     z_c, q_c, past = hist.context(context)
-                    if past.shape[1] == 0:
-                        past = torch.zeros(0, env.action_dim)
                     plan, _ = cem_plan(model_rollout_fn(agent, env.name, z_c, q_c, past), cost, env.action_dim, cfg, gen, plan)
                 else:
                     plan, _ = cem_plan(oracle_rollout_fn(env), lambda d: d, env.action_dim, cfg, gen, plan)

@@ -9,7 +9,7 @@ from prefect.cache_policies import NONE
 
 from lensemble.config import Params
 from lensemble.errors import DataError
-from lensemble.dynamics import probe_r2, rollout_diagnostics
+from lensemble.dynamics import dynamics_report
 from lensemble.evaluation import ORACLE, evaluate
 from lensemble.gauge import drift, effective_dim, pool_tokens
 from lensemble.model.world_model import WorldModel, load_federated
@@ -75,13 +75,6 @@ MODEL_LOADERS = {
 REFERENCES = ("oracle", "random")  # the protocol's ceiling and floor, read beside every model
 
 
-def dynamics_report(params: Params, model: WorldModel, train_eps, held_out_eps) -> dict:
-    """Dynamics diagnostics of one model on one embodiment: held-out rollouts, action sensitivity, probe R²."""
-    c = params.evaluate.cem
-    diag = rollout_diagnostics(model, held_out_eps, c.context, c.horizon, params.model.proprio_dim, params.run.seed)
-    return {**diag, "probe_r2": probe_r2(model, train_eps, held_out_eps)}
-
-
 def evaluate_models(params: Params, layout: Layout, site: str, names: tuple[str, ...]) -> dict:
     """Closed-loop success of the named agents (keys of MODEL_LOADERS) on `site`'s embodiment, same seeds, starts
     and goals for all; and the dynamics diagnostics of every world model among them."""
@@ -89,7 +82,9 @@ def evaluate_models(params: Params, layout: Layout, site: str, names: tuple[str,
     embodiment = site_embodiment(params, site)
     models = {name: MODEL_LOADERS[name](params, layout, site) for name in names}  # DataError before any episode
     train_eps, held_out = load_site(layout, params, site), load_probe_episodes(layout, params, embodiment)
-    diagnostics = {name: dynamics_report(params, m, train_eps, held_out) for name, m in models.items() if isinstance(m, WorldModel)}
+    c = params.evaluate.cem
+    diagnostics = {name: dynamics_report(m, train_eps, held_out, c.context, c.horizon, params.model.proprio_dim, params.run.seed)
+                   for name, m in models.items() if isinstance(m, WorldModel)}
     env = make_embodiment(embodiment, params.data.image_size)
     env.set_success_criterion(params.evaluate.success.get(embodiment, env.criterion))
     c = params.evaluate.cem

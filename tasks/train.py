@@ -13,7 +13,7 @@ from lensemble.config import Params
 from lensemble.data.audit import PrivateIndex, index_path, load_index
 from lensemble.data.residency import ResidencyGuard
 from lensemble.federation.transport import RoundContext, Transport, param_spec
-from lensemble.dynamics import probe_r2, rollout_diagnostics
+from lensemble.dynamics import dynamics_report
 from lensemble.gauge import drift, effective_dim, pool_tokens
 from lensemble.model.world_model import federated_state, load_federated, local_state
 from lensemble.paths import Layout
@@ -126,9 +126,9 @@ def round_dynamics(params: Params, model, train_eps, held_out) -> dict[str, floa
     """The dynamics diagnostics as scalar metrics (the site releases only these): 1-step and H-step rollout
     error over copying, action sensitivity and probe R²."""
     c = params.evaluate.cem
-    diag = rollout_diagnostics(model, held_out, c.context, c.horizon, params.model.proprio_dim, params.run.seed)
-    values = (diag["rollout_vs_copy"][0], diag["rollout_vs_copy"][-1], diag["rollout_vs_copy_proprio"][0], diag["action_sensitivity"],
-              diag["action_sensitivity_proprio"], probe_r2(model, train_eps, held_out))
+    d = dynamics_report(model, train_eps, held_out, c.context, c.horizon, params.model.proprio_dim, params.run.seed)
+    values = (d["rollout_vs_copy"][0], d["rollout_vs_copy"][-1], d["rollout_vs_copy_proprio"][0], d["action_sensitivity"],
+              d["action_sensitivity_proprio"], d["probe_r2"])
     return dict(zip(ROUND_DYNAMICS, values))
 
 

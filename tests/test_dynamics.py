@@ -98,3 +98,11 @@ def test_ridge_r2_closed_form_on_a_linear_target():
     assert ridge_r2(x[:150], y[:150], x[150:], y[150:]) > 0.999
     noise = rng.standard_normal((200, 2))
     assert ridge_r2(x[:150], noise[:150], x[150:], noise[150:]) < 0.1
+
+
+def test_the_report_equals_its_parts_with_the_held_out_frames_encoded_once():
+    from lensemble.dynamics import dynamics_report
+
+    train, held = planted_episodes(5, 6), planted_episodes(6, 3)
+    report = dynamics_report(Planted(), train, held, context=2, horizon=3, proprio_width=Q, seed=1)
+    assert report == {**rollout_diagnostics(Planted(), held, 2, 3, Q, 1), "probe_r2": probe_r2(Planted(), train, held)}

@@ -96,13 +96,13 @@ def test_goal_energy_is_the_weighted_distance_in_closed_form():
 
 
 def test_history_context_is_the_last_observations_and_the_actions_between_them():
-    h = History([torch.full((1, 2), float(i)) for i in range(5)], [torch.full((3,), float(i)) for i in range(5)],
+    h = History(2, [torch.full((1, 2), float(i)) for i in range(5)], [torch.full((3,), float(i)) for i in range(5)],
                 [torch.full((2,), float(i)) for i in range(4)])
     z, q, past = h.context(3)
     assert z[:, 0, 0].tolist() == [2.0, 3.0, 4.0] and q[:, 0].tolist() == [2.0, 3.0, 4.0]
     assert past[:, 0].tolist() == [2.0, 3.0]  # a_2 between o_2 and o_3, a_3 between o_3 and o_4
     z1, _, past1 = h.context(1)
-    assert z1.shape[0] == 1 and past1.shape[0] == 0
+    assert z1.shape[0] == 1 and past1.shape == (0, 2)
 
 
 def test_the_oracle_plans_with_the_true_simulator_and_leaves_the_episode_untouched():
