@@ -87,7 +87,6 @@ def evaluate_models(params: Params, layout: Layout, site: str, names: tuple[str,
                    for name, m in models.items() if isinstance(m, WorldModel)}
     env = make_embodiment(embodiment, params.data.image_size)
     env.set_success_criterion(params.evaluate.success.get(embodiment, env.criterion))
-    c = params.evaluate.cem
     cfg = CEMConfig(c.samples, c.elites, c.iterations, c.horizon)
     seeds = eval_seeds(params, embodiment)
     out = {}
