@@ -210,7 +210,8 @@ class PushT(Embodiment):
 
     def _env_step(self, target_xy: np.ndarray) -> None:
         """gym-pusht 0.1.x `PushTEnv.step`'s physics (PD on the agent, `n_steps` pymunk substeps), without
-        its observation, reward and shapely coverage (25x the physics' cost; `success()` reads the state)."""
+        its observation, reward and shapely coverage (0.19 ms an env step against the env's 0.52 ms, the
+        same state bit for bit; `success()` reads the state)."""
         env = self.env
         target = pymunk.Vec2d(float(target_xy[0]), float(target_xy[1]))
         env._last_action = target_xy
