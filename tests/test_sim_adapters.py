@@ -306,3 +306,20 @@ def test_pusht_dino_wm_goal_is_the_expert_state_five_steps_ahead(adapters: dict[
     assert not env.success()
     with pytest.raises(ConfigError, match="unknown success criterion 'touch' for pusht; known: \\['dino_wm', 'pose'\\]"):
         env.set_success_criterion("touch")
+
+
+def test_pusht_physics_step_equals_the_env_step() -> None:
+    a, b = PushT(SIZE), PushT(SIZE)
+    try:
+        a.reset(3)
+        b.reset(3)
+        rng = np.random.default_rng(0)
+        for _ in range(20):
+            target = rng.uniform(0.0, 512.0, 2)
+            a.env.step(target)  # gym-pusht's own step: physics plus observation, reward, coverage
+            b._env_step(target)
+        np.testing.assert_array_equal(a.state(), b.state())
+        np.testing.assert_array_equal(np.array(a.env.agent.velocity), np.array(b.env.agent.velocity))
+    finally:
+        a.close()
+        b.close()
