@@ -6,7 +6,11 @@ federation's padded `model.proprio_dim`).
 
 For each time step t the predictor sees N frame tokens of z_t, one proprioception token (q_t through
 the federated proprio encoder) and one action token h(a_t); its mask is block-causal over time (a
-token at step t attends to every token of steps ≤ t). The outputs at step t's frame tokens are the
+token at step t attends to every token of steps ≤ t). The action also conditions every frame and
+proprioception token of its step directly (a projection of h(a_t) added to each, as DINO-WM pairs the
+action embedding with every patch): with the action token alone a frame token sees the action only
+through attention, and the predictor learned to move the proprioception but hardly the frame latent
+(latent action sensitivity 1.45 without, 1.68 with; point mass, 600 steps). The outputs at step t's frame tokens are the
 prediction ẑ_{t+1}; the output at its proprioception token, through the proprio decoder, is q̂_{t+1}.
 Proprioception enters normalised (divided by the embodiment's `proprio_scale`) and zero-padded to Q;
 the loss reads only the embodiment's own components.
@@ -48,6 +52,7 @@ class Predictor(nn.Module):
         self.inp = nn.Linear(latent_dim, width)
         self.proprio_in = nn.Linear(proprio_dim, width)
         self.act = nn.Linear(action_embed, width)
+        self.act_cond = nn.Linear(action_embed, width)
         self.space = nn.Parameter(torch.randn(1, 1, num_tokens + 2, width) * 0.02)
         self.time = nn.Parameter(torch.randn(1, max_steps, 1, width) * 0.02)
         self.blocks = nn.ModuleList(Block(width, heads, 4.0) for _ in range(depth))
@@ -75,7 +80,8 @@ class Predictor(nn.Module):
         t0 = 0 if cache is None else cache.steps
         if t0 + T > self.max_steps:
             raise ValueError(f"the predictor has {self.max_steps} time positions, got a sequence of {t0 + T}")
-        x = torch.cat([self.inp(z_BTND), self.proprio_in(q_BTQ)[:, :, None], self.act(act_BTA)[:, :, None]], dim=2)  # [B, T, N+2, W]
+        cond = self.act_cond(act_BTA)[:, :, None]  # [B, T, 1, W]
+        x = torch.cat([self.inp(z_BTND) + cond, self.proprio_in(q_BTQ)[:, :, None] + cond, self.act(act_BTA)[:, :, None]], dim=2)  # [B, T, N+2, W]
         x = (x + self.space + self.time[:, t0 : t0 + T]).flatten(1, 2)  # [B, T*(N+2), W]
         mask = None
         if T > 1:

@@ -245,6 +245,10 @@ class MujocoPointMass(_MujocoEmbodiment):
     proprio = [x, y, vx, vy] (metres, m/s). Damping gives a 0.2 s velocity time constant, so the
     puck carries momentum across ~4 env steps: the world model must learn dynamics, not teleports.
     The goal energy weighs position only (success is a position); the goal's velocity is zero anyway.
+    The goal image adds nothing the goal proprioception lacks (the target is drawn in every frame of the
+    episode), so its latent distance carries no weight, as for the reacher: with the frame latent
+    spread to unit scale, a 0.1 weight let its prediction error steer the plan (federated model,
+    16 episodes: 0.56 at 0.1, 0.63 at 0.01, 0.81 at 0).
     """
 
     name = "mujoco_point"
@@ -252,7 +256,7 @@ class MujocoPointMass(_MujocoEmbodiment):
     proprio_dim = 4
     proprio_scale = (0.15, 0.15, 0.2, 0.2)
     goal_proprio_weights = (1.0, 1.0, 0.0, 0.0)
-    goal_visual_weight = 0.1
+    goal_visual_weight = 0.0
     state_components = (0, 1)
     success_criteria = {"position": "puck centre within 0.03 m of the target"}
     xml = POINT_MASS_XML
