@@ -47,10 +47,13 @@ def _make_project(root: Path, encoder: str):
         write_episodes(gen(f"probe/{s.embodiment}", d.probe_episodes), layout.probe(s.embodiment))
     model = build_model(p, f"site/{SITE}")
     opt = make_optimizer(model, p.train)
-    train_steps(model, opt, [(site_embodiment(p, SITE), sampler_for(load_site(layout, p, SITE), p))], 1, train=p.train,
+    # A few warm steps, and the round-1 global params taken from them: from a fresh build the predictor's
+    # zero-initialised output layers make every trunk gradient exactly zero at first and then
+    # round-off-sized, which AdamW turns into lr-sized steps whose signs the rank layout decides.
+    train_steps(model, opt, [(site_embodiment(p, SITE), sampler_for(load_site(layout, p, SITE), p))], 8, train=p.train,
                 objective=p.objective, run_seed=p.run.seed, round_idx=0, data_key=SITE)
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, root / "warm.pt")
-    torch.save(federated_state(build_model(p, "federated")), root / "global.pt")
+    torch.save(federated_state(model), root / "global.pt")
     return root, p, layout
 
 
