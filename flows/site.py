@@ -3,7 +3,7 @@
 `lensemble site deploy SITE` (run at the site) enrols the site's signing key with the exchange and
 registers this flow as deployment `site-round/<site>` on the site's work pool, with the site's
 project root as a default parameter; a worker on that pool (`prefect worker start --pool POOL`)
-runs it whenever the coordinator triggers a round. See tasks/site_agent.py.
+runs it whenever the coordinator triggers a round. See orchestration/site_agent.py.
 """
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from prefect import flow
 from lensemble.errors import ConfigError
 from lensemble.federation.exchange import Exchange, exchange_url
 from lensemble.paths import Layout
-from tasks.site_agent import enrol, site_round
+from orchestration.site_agent import enrol, site_round
 
 
 @flow(name="site-round")
 def site_round_flow(root: str, site: str, run_id: str, round_idx: int) -> dict:
-    """Train H inner steps at the site and answer the round's exchange protocol (tasks.site_agent.site_round)."""
+    """Train H inner steps at the site and answer the round's exchange protocol (orchestration.site_agent.site_round)."""
     return site_round(root, site, run_id, round_idx)
 
 
@@ -29,7 +29,7 @@ def deploy_site(root: Path, site: str) -> UUID:
     from prefect.client.orchestration import get_client
 
     from lensemble.config import load_params
-    from tasks.sites import deployment_name, require_work_pool
+    from orchestration.sites import deployment_name, require_work_pool
 
     root = Path(root).resolve()
     p = load_params(root / "params.yaml")

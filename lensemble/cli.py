@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             ensure_server(Path(os.environ["PREFECT_HOME"]))
             if p.federate.execution == "sovereign":
                 from lensemble.paths import Layout
-                from tasks.sites import check_sovereign
+                from orchestration.sites import check_sovereign
 
                 check_sovereign(p, Layout(root))  # pools, deployments, exchange: before any round
             from flows.serve import serve_forever

@@ -36,9 +36,16 @@ class NonDeterministicAggregation(LensembleError):
 
 
 class IntegrityError(LensembleError):
-    """An update with a bad signature, wrong run/round/site, wrong names or shapes, NaN or Inf."""
+    """An update with a bad signature, wrong run/round/site, wrong names or shapes, NaN or Inf.
+
+    `site`: the site whose message failed, when one did (the round driver drops it and retries).
+    """
 
     exit_code = 6
+
+    def __init__(self, message: str, *, site: str | None = None) -> None:
+        super().__init__(message)
+        self.site = site
 
 
 class BudgetExceeded(LensembleError):

@@ -1,4 +1,4 @@
-"""Gauge diagnostics: frame drift between embedding frames and effective dimension.
+"""Gauge diagnostics: frame drift between embedding frames, effective dimension and the collapse tripwire.
 
 SIGReg's isotropic target is rotation-invariant, so two sites' encoders can agree up to an
 orthogonal map of the latent space. Orthogonal Procrustes finds that map; its angles say how far
@@ -6,7 +6,7 @@ a site's frame has turned, its residual how much is not a rotation at all.
 """
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -72,6 +72,49 @@ def collapse_tripwire(federated: list[float], pooled: list[float], drop_fraction
     return any(f < (1.0 - drop_fraction) * p for f, p in zip(federated, pooled))
 
 
+def matched_pooled(curve: list[dict], rounds: int) -> list[dict]:
+    """For each round r = 1..R, the pooled checkpoint at the nearest fraction r/R of Stage A's steps (the curve
+    is taken at the main run's round marks; an ablation point with another R reads the nearest)."""
+    total = curve[-1]["step"]
+    return [min(curve, key=lambda c: abs(c["step"] / total - r / rounds)) for r in range(1, rounds + 1)]
+
+
+def round_summary(record: dict) -> dict:
+    """One round's gauge row from its `reports/federate.json` record: drift over sites, effective dimension."""
+    sites = record["sites"].values()
+    angles = [s["gauge/drift_angle_deg"] for s in sites]
+    return {"round": record["round"], "drift_angle_deg_mean": sum(angles) / len(angles),
+            "drift_angle_deg_max": max(s["gauge/drift_angle_max_deg"] for s in sites),
+            "procrustes_residual_mean": sum(s["gauge/procrustes_residual"] for s in sites) / len(angles),
+            "effective_dim": record["gauge"]["effective_dim"]["rankme"],
+            "participation_ratio": record["gauge"]["effective_dim"]["participation_ratio"],
+            "pairs": record["gauge"]["pairs"]}
+
+
+@dataclass(frozen=True)
+class RoundGauge:
+    """The federation's per-round gauge read against the pooled (Stage A) model at the same fraction of training."""
+
+    per_round: list[dict]  # round_summary rows plus pooled_effective_dim and effective_dim_vs_pooled
+    effective_dim_min: float  # lowest federated RankMe over the run
+    effective_dim_vs_pooled_min: float  # lowest federated ÷ pooled RankMe over the run
+    collapse_tripwire: bool
+
+
+def gauge_over_rounds(rounds: list[dict], pooled_curve: list[dict], drop_fraction: float) -> RoundGauge:
+    """Summarise every round of `reports/federate.json` and trip on collapse against Stage A's effective-dimension
+    curve (`effective_dim_curve` of `reports/centralized.json`), never against round 1."""
+    per_round = [round_summary(r) for r in rounds]
+    pooled = matched_pooled(pooled_curve, len(per_round))
+    for row, point in zip(per_round, pooled):
+        row["pooled_effective_dim"] = point["rankme"]
+        row["effective_dim_vs_pooled"] = row["effective_dim"] / max(point["rankme"], 1e-12)
+    tripwire = collapse_tripwire([r["effective_dim"] for r in per_round], [p["rankme"] for p in pooled], drop_fraction)
+    return RoundGauge(per_round=per_round, effective_dim_min=min(r["effective_dim"] for r in per_round),
+                      effective_dim_vs_pooled_min=min(r["effective_dim_vs_pooled"] for r in per_round),
+                      collapse_tripwire=tripwire)
+
+
 def sample_pairs(sites: list[str], num_pairs: int, rng: np.random.Generator) -> list[tuple[str, str]]:
     """A fixed-size sample of distinct site pairs (never all O(C²) when C is large)."""
     all_pairs = [(a, b) for i, a in enumerate(sites) for b in sites[i + 1 :]]
@@ -85,8 +128,3 @@ def pool_tokens(z_PND: torch.Tensor) -> torch.Tensor:
     """Per-frame embedding for the diagnostics: the mean over tokens, [P, D]."""
     return z_PND.mean(1)
 
-
-def angle_between_deg(u: torch.Tensor, v: torch.Tensor) -> float:
-    """Angle between two vectors in degrees (for tests and reports)."""
-    c = float(torch.dot(u, v) / (u.norm() * v.norm()))
-    return math.degrees(math.acos(max(-1.0, min(1.0, c))))

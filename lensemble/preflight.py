@@ -33,13 +33,14 @@ def load_pricing(path: Path) -> dict[str, dict[str, float]]:
 
 
 def training_steps(params: Params, stage: str) -> int:
-    """Optimizer steps a stage will take, summed over sites."""
+    """Optimizer steps a stage will take, summed over sites (the local-only baselines only when they are trained)."""
     if stage == "centralized":
         return params.centralized.steps
     if stage == "federate":
         sites = len(params.data.sites)
         federated = params.federate.rounds * params.federate.inner_steps * sites
-        local_only = params.federate.rounds * params.federate.inner_steps * sites  # the no-federation baselines
+        # the no-federation baselines: each site alone for as many steps as it trains in federation
+        local_only = federated if params.federate.local_only else 0
         return federated + local_only + params.federate.head_adapt_steps * sites
     raise ValueError(f"stage {stage!r} does not train")
 
@@ -69,14 +70,14 @@ def estimate(params: Params, stage: str, *, flops_per_step: float, memory_bytes:
 def enforce(est: dict[str, float], params: Params, stage: str) -> None:
     """BudgetExceeded naming the first ceiling the estimate is over."""
     ceilings = params.preflight
-    checks = (
-        ("cost_usd", ceilings.max_cost_usd, "USD"),
-        ("accelerator_hours", ceilings.max_accelerator_hours, "h"),
-        ("memory_gib", ceilings.max_memory_gib, "GiB"),
-        ("bytes_total", ceilings.max_comm_bytes, "bytes"),
+    checks = (  # estimate key, its ceiling's key in the params' preflight section, unit
+        ("cost_usd", "max_cost_usd", "USD"),
+        ("accelerator_hours", "max_accelerator_hours", "h"),
+        ("memory_gib", "max_memory_gib", "GiB"),
+        ("bytes_total", "max_comm_bytes", "bytes"),
     )
-    for key, limit, unit in checks:
+    for key, ceiling, unit in checks:
+        limit = getattr(ceilings, ceiling)
         if limit is not None and est[key] > limit:
-            raise BudgetExceeded(
-                f"{stage}: pre-flight {key} {est[key]:.4g} {unit} exceeds preflight.max_{key.removesuffix('_usd').removesuffix('_total').replace('bytes', 'comm_bytes')} = {limit:.4g}; nothing was launched"
-            )
+            raise BudgetExceeded(f"{stage}: pre-flight {key} {est[key]:.4g} {unit} exceeds "
+                                 f"preflight.{ceiling} = {limit:.4g}; nothing was launched")

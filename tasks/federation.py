@@ -1,4 +1,4 @@
-"""Prefect tasks on the aggregator's side of a DiLoCo round."""
+"""Prefect tasks on the aggregator's side of a DiLoCo round: the outer step, the gauge, the round's record."""
 from __future__ import annotations
 
 import time
@@ -10,20 +10,22 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from lensemble.federation.outer import aggregate_and_step
-from lensemble.federation.transport import RoundContext, Transport
+from lensemble.federation.rounds import AggregatorCodec
+from lensemble.federation.transport import RoundContext
 from lensemble.gauge import drift, effective_dim, sample_pairs
 from lensemble.seeds import derive_seed
 
 
 @task(name="aggregate", cache_policy=NONE, retries=1)
-def aggregate_round(ctx: RoundContext, transport: Transport, payloads: Mapping[str, bytes], params: dict, momentum: dict | None,
+def aggregate_round(ctx: RoundContext, aggregator: AggregatorCodec, payloads: Mapping[str, bytes], params: dict, momentum: dict | None,
                     lr: float, beta: float) -> tuple[dict, dict, float]:
     """Verify, average and take the outer Nesterov step (self-checked); returns (params, momentum, seconds).
 
-    `retries=1`: a NonDeterministicAggregation aborts the attempt and the task recomputes once.
+    The round driver's `OuterStep` in a federate run. `retries=1`: a NonDeterministicAggregation aborts
+    the attempt and the task recomputes once.
     """
     t0 = time.perf_counter()
-    new_params, new_buf = aggregate_and_step(ctx, transport, payloads, params, momentum, lr, beta)
+    new_params, new_buf = aggregate_and_step(ctx, aggregator, payloads, params, momentum, lr, beta)
     return new_params, new_buf, time.perf_counter() - t0
 
 
@@ -35,3 +37,36 @@ def gauge_round(run_seed: int, round_idx: int, site_probes: Mapping[str, torch.T
     rng = np.random.default_rng(derive_seed(run_seed, "gauge/pairs", round_idx))
     pairs = {f"{a}|{b}": drift(site_probes[a], site_probes[b]) for a, b in sample_pairs(sites, num_pairs, rng)}
     return {"pairs": pairs, "effective_dim": effective_dim(global_probe), "seconds": time.perf_counter() - t0}
+
+
+@task(name="record-round", cache_policy=NONE)
+def record_round(ctx, fed, outcome) -> dict:
+    """The round's metrics (MLflow, metrics.jsonl) and Prefect artifacts; returns its history entry.
+
+    `ctx`: the stage's StageContext; `fed`: the run's orchestration.federation.Federation; `outcome`: its RoundOutcome.
+    """
+    from orchestration.federation import publish_round, round_budgets, round_record
+    from tasks.train import ROUND_DYNAMICS
+
+    r, res = outcome.round_idx, outcome.result
+    for s in res.members:
+        m = outcome.trained[s]["metrics"]
+        ctx.metric("fed/comm_bytes", res.comm_bytes(s), step=r, round_idx=r, participant=s)
+        ctx.metric("fed/quant_ratio", res.payload_bytes[s] / (4 * fed.numel), step=r, round_idx=r, participant=s)
+        for name in ("loss/pred", "loss/proprio", "loss/sigreg", "loss/anchor", "gauge/drift_angle_deg", "gauge/drift_angle_max_deg",
+                     "gauge/procrustes_residual", *ROUND_DYNAMICS):
+            ctx.metric(name, m[name], step=r, round_idx=r, participant=s)
+    for s in outcome.dropped:
+        ctx.metric("perf/site_dropouts", 1.0, step=r, round_idx=r, participant=s)
+    record, per_site = round_record(fed, outcome, time.perf_counter() - outcome.started)
+    publish_round(r, per_site, outcome.gauge, outcome.dropped, round_budgets(ctx.layout.root, ctx.hw_class, {
+        "fed/bytes_per_param": record["bytes_per_param"], "fed/round_seconds": time.perf_counter() - outcome.started,
+        "gauge/effective_dim_fraction": outcome.gauge["effective_dim"]["rankme"] / fed.model.latent_dim}), time.perf_counter() - outcome.started)
+    record, _ = round_record(fed, outcome, time.perf_counter() - outcome.started)
+    effective = outcome.gauge["effective_dim"]
+    ctx.metric("gauge/effective_dim", effective["rankme"], step=r, round_idx=r)
+    ctx.metric("gauge/participation_ratio", effective["participation_ratio"], step=r, round_idx=r)
+    ctx.metric("fed/round_seconds", record["seconds"], step=r, round_idx=r)
+    ctx.metric("fed/outer_step_seconds", res.outer_seconds, step=r, round_idx=r)
+    ctx.metric("perf/orchestration_seconds", record["orchestration_seconds"], step=r, round_idx=r)
+    return record

@@ -10,9 +10,9 @@ from prefect.cache_policies import NONE
 
 from lensemble.latency import component_latency
 from lensemble.config import Params
-from lensemble.data.audit import PrivateIndex, index_path, load_index
+from lensemble.data.audit import load_index
 from lensemble.data.residency import ResidencyGuard
-from lensemble.federation.transport import RoundContext, Transport, param_spec
+from lensemble.federation.transport import param_spec
 from lensemble.dynamics import dynamics_report
 from lensemble.gauge import drift, effective_dim, pool_tokens
 from lensemble.model.world_model import federated_state, load_federated, local_state
@@ -155,27 +155,3 @@ def site_adapt_head(params: Params, layout: Layout, site: str, global_state: dic
         p.requires_grad_(True)
     torch.save({"model": model.state_dict(), "optimizer": saved["optimizer"]}, state_path)
     return {"steps": params.federate.head_adapt_steps, **log.mean()}
-
-
-@task(name="site-announce", cache_policy=NONE)
-def site_announce(layout: Layout, site: str, delta_path: Path, transport: Transport, ctx: RoundContext) -> tuple[bytes, float]:
-    """The site's pre-encoding message (e.g. its per-block scales), through the guard; and the task's seconds."""
-    t0 = time.perf_counter()
-    delta = torch.load(delta_path, weights_only=True)
-    guard = ResidencyGuard(site, ctx.spec, layout.site_audit(site), private=PrivateIndex.load(index_path(layout.site_episodes(site))))
-    return guard.release("payload", transport.announce(ctx, site, delta)), time.perf_counter() - t0
-
-
-@task(name="site-encode", cache_policy=NONE)
-def site_encode(layout: Layout, site: str, delta_path: Path, transport: Transport, ctx: RoundContext, spec: tuple) -> tuple[bytes, float, float]:
-    """The site serialises (quantizes, masks, signs) its Δ_c; the payload leaves through the guard.
-
-    Returns (payload, seconds of the encoding itself, seconds of the whole task body).
-    """
-    t_task = time.perf_counter()
-    delta = torch.load(delta_path, weights_only=True)
-    guard = ResidencyGuard(site, spec, layout.site_audit(site), private=PrivateIndex.load(index_path(layout.site_episodes(site))))
-    t0 = time.perf_counter()
-    payload = transport.encode(ctx, site, delta)
-    encode_seconds = time.perf_counter() - t0
-    return guard.release("payload", payload), encode_seconds, time.perf_counter() - t_task

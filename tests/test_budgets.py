@@ -7,7 +7,7 @@ import yaml
 from lensemble.budgets import evaluate_budgets, load_budgets, violations
 from lensemble.config import parse_params
 from lensemble.errors import BudgetExceeded, ConfigError
-from lensemble.preflight import enforce, estimate, load_pricing
+from lensemble.preflight import enforce, estimate, load_pricing, training_steps
 from tests.conftest import REPO, micro_params
 
 ENTRY = {"name": "b", "metric": "fed/round_seconds", "low": 0.0, "high": 10.0, "unit": "s", "stage": "federate",
@@ -56,10 +56,25 @@ def test_preflight_estimate_closed_form_and_ceilings():
     assert est["bytes_total"] == 1000 * 2 * 2 and est["memory_gib"] == 1.0
     enforce(est, params, "federate")
     tight = parse_params({**micro_params(), "preflight": {"max_cost_usd": 0.001}})
-    with pytest.raises(BudgetExceeded, match="cost_usd"):
+    with pytest.raises(BudgetExceeded, match=r"pre-flight cost_usd .* exceeds preflight\.max_cost_usd = 0\.001;"):
         enforce(est, tight, "federate")
+    for ceiling, key in (("max_accelerator_hours", "accelerator_hours"), ("max_memory_gib", "memory_gib"),
+                         ("max_comm_bytes", "bytes_total")):
+        tight = parse_params({**micro_params(), "preflight": {ceiling: 1e-6}})
+        with pytest.raises(BudgetExceeded, match=rf"pre-flight {key} .* exceeds preflight\.{ceiling} = "):
+            enforce(est, tight, "federate")
     with pytest.raises(ConfigError, match="no entry for hardware class 'gpu-z'"):
         estimate(params, "federate", flops_per_step=1.0, memory_bytes=1.0, update_bytes=1, hw_class="gpu-z", pricing=pricing)
+
+
+def test_preflight_counts_local_only_baselines_only_when_they_are_trained():
+    raw = micro_params()
+    with_baselines = parse_params({**raw, "federate": {**raw["federate"], "local_only": True}})
+    without = parse_params({**raw, "federate": {**raw["federate"], "local_only": False}})
+    federated, head_adapt = 2 * 3 * 2, 50 * 2  # rounds × H × sites, head adaptation × sites
+    assert training_steps(with_baselines, "federate") == 2 * federated + head_adapt
+    assert training_steps(without, "federate") == federated + head_adapt
+    assert training_steps(without, "centralized") == training_steps(with_baselines, "centralized")
 
 
 def test_budgets_compare_reads_mlflow_prints_the_table_and_writes_the_plot(tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ import torch
 
 from lensemble.errors import ConfigError, ParticipantDropped
 from lensemble.federation.exchange import Exchange, exchange_url, pack_tensors, unpack_tensors
-from tasks.site_agent import snapshot_before
+from orchestration.site_agent import snapshot_before
 
 
 @pytest.fixture(params=["file", "memory"])

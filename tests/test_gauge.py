@@ -9,7 +9,16 @@ import torch
 from scipy.linalg import orthogonal_procrustes
 from scipy.stats import special_ortho_group
 
-from lensemble.gauge import drift, effective_dim, procrustes, rotation_angles_deg, sample_pairs
+from lensemble.gauge import (
+    collapse_tripwire,
+    drift,
+    effective_dim,
+    gauge_over_rounds,
+    matched_pooled,
+    procrustes,
+    rotation_angles_deg,
+    sample_pairs,
+)
 
 
 def test_procrustes_matches_scipy_and_recovers_a_planted_rotation():
@@ -68,8 +77,6 @@ def test_pair_sampling_is_bounded_and_distinct():
 
 
 def test_collapse_tripwire_reads_the_pooled_model_not_round_one():
-    from lensemble.gauge import collapse_tripwire
-
     pooled = [10.0, 12.0, 12.0, 12.0]
     assert not collapse_tripwire([9.0, 11.0, 11.5, 12.0], pooled, 0.5)
     # a run that starts collapsed and partly recovers: a round-1 reference would never trip on it
@@ -83,8 +90,6 @@ def test_collapse_tripwire_reads_the_pooled_model_not_round_one():
 
 
 def test_collapse_tripwire_fires_on_a_planted_collapsed_embedding():
-    from lensemble.gauge import collapse_tripwire
-
     gen = torch.Generator().manual_seed(0)
     healthy = torch.randn(256, 16, generator=gen)
     collapsed = torch.randn(256, 1, generator=gen) @ torch.randn(1, 16, generator=gen) + 0.01 * torch.randn(256, 16, generator=gen)
@@ -94,9 +99,53 @@ def test_collapse_tripwire_fires_on_a_planted_collapsed_embedding():
 
 
 def test_rounds_read_the_pooled_checkpoint_at_the_same_fraction_of_training():
-    from flows.gauge import matched_pooled
-
     curve = [{"step": s, "rankme": float(s)} for s in (200, 400, 600, 800, 1000)]
     assert [c["step"] for c in matched_pooled(curve, 5)] == [200, 400, 600, 800, 1000]
     assert [c["step"] for c in matched_pooled(curve, 2)] == [400, 1000]  # a tie (0.4 vs 0.6 of 0.5) takes the earlier
     assert [c["step"] for c in matched_pooled(curve, 10)][:2] == [200, 200]
+
+
+def _round(idx: int, rankme: float, angles: tuple[float, float] = (10.0, 20.0)) -> dict:
+    """A round record as the federate stage writes it to reports/federate.json (two sites)."""
+    sites = {f"s{i}": {"gauge/drift_angle_deg": a, "gauge/drift_angle_max_deg": 2 * a, "gauge/procrustes_residual": a / 100}
+             for i, a in enumerate(angles)}
+    return {"round": idx, "sites": sites, "gauge": {"effective_dim": {"rankme": rankme, "participation_ratio": rankme / 2},
+                                                   "pairs": 1}}
+
+
+def _pooled_curve(rankmes: list[float], steps_per_round: int = 50) -> list[dict]:
+    """Stage A's effective_dim_curve in reports/centralized.json: one point per round mark."""
+    return [{"step": steps_per_round * (i + 1), "rankme": r, "participation_ratio": r / 2} for i, r in enumerate(rankmes)]
+
+
+def test_gauge_over_rounds_summarises_each_round_against_the_pooled_model():
+    rounds = [_round(1, 3.0), _round(2, 6.0, angles=(30.0, 50.0))]
+    g = gauge_over_rounds(rounds, _pooled_curve([4.0, 8.0]), 0.5)
+    assert g.per_round[1] == {"round": 2, "drift_angle_deg_mean": 40.0, "drift_angle_deg_max": 100.0,
+                              "procrustes_residual_mean": 0.4, "effective_dim": 6.0, "participation_ratio": 3.0, "pairs": 1,
+                              "pooled_effective_dim": 8.0, "effective_dim_vs_pooled": 0.75}
+    assert (g.effective_dim_min, g.effective_dim_vs_pooled_min, g.collapse_tripwire) == (3.0, 0.75, False)
+
+
+def test_gauge_over_rounds_trips_on_a_planted_collapse_and_not_on_a_healthy_run():
+    pooled = _pooled_curve([2.0, 4.0, 8.0, 16.0])  # the pooled model's dimension grows over training
+    healthy = [_round(i + 1, d) for i, d in enumerate([1.5, 3.5, 7.0, 14.0])]
+    g = gauge_over_rounds(healthy, pooled, 0.5)
+    assert not g.collapse_tripwire
+    # round 1 at 1.5 is under half the pooled model's final 16: the reference is the same fraction of training
+    assert healthy[0]["gauge"]["effective_dim"]["rankme"] < 0.5 * pooled[-1]["rankme"]
+    collapsed = [_round(i + 1, d) for i, d in enumerate([1.5, 3.5, 3.0, 2.0])]
+    g = gauge_over_rounds(collapsed, pooled, 0.5)
+    assert g.collapse_tripwire and g.effective_dim_vs_pooled_min == 0.125
+
+
+def test_gauge_over_rounds_compares_with_the_pooled_curve_not_round_one():
+    pooled = _pooled_curve([10.0, 12.0, 12.0, 12.0])
+    # starts collapsed and partly recovers: never below half of its own round 1, far below the pooled model
+    planted = [_round(i + 1, d) for i, d in enumerate([1.0, 2.0, 4.0, 5.0])]
+    assert gauge_over_rounds(planted, pooled, 0.5).collapse_tripwire
+    # the same run against a pooled model that was just as low stays quiet
+    assert not gauge_over_rounds(planted, _pooled_curve([1.0, 2.0, 4.0, 5.0]), 0.5).collapse_tripwire
+    # an ablation with fewer rounds than the curve has marks reads the pooled point at the same fraction
+    g = gauge_over_rounds(planted[:2], _pooled_curve([1.0, 2.0, 30.0, 3.0]), 0.5)
+    assert [r["pooled_effective_dim"] for r in g.per_round] == [2.0, 3.0] and not g.collapse_tripwire

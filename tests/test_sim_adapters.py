@@ -14,7 +14,7 @@ from lensemble.errors import ConfigError
 from lensemble.sim.base import Embodiment
 from lensemble.sim.mujoco_envs import MujocoPointMass, MujocoReacher, wrap_angle
 from lensemble.sim.pusht import GOAL_STEPS_AHEAD, STANDARD_GOAL, PushT, pose_success, pusher_target
-from lensemble.sim.registry import make_embodiment
+from lensemble.sim.registry import EMBODIMENTS, embodiment_class, make_embodiment
 
 NAMES = ("pusht", "mujoco_point", "mujoco_reacher")
 SIZE = 64
@@ -63,6 +63,40 @@ def test_registry_builds_each_adapter(adapters: dict[str, Embodiment]) -> None:
     # The two MuJoCo bodies must differ in action space for the cross-embodiment experiments.
     assert (adapters["mujoco_point"].action_dim, adapters["mujoco_reacher"].action_dim) == (2, 3)
     assert all(env.name == name for name, env in adapters.items())
+
+
+@pytest.mark.parametrize("name", sorted(EMBODIMENTS))
+def test_class_level_dims_are_what_the_built_simulator_reports(name: str) -> None:
+    """Model building reads `action_dim` off the class (no simulator built): it must be what an instance acts with."""
+    cls = embodiment_class(name)
+    env = make_embodiment(name, SIZE)
+    try:
+        assert cls.action_dim > 0 and (env.action_dim, env.proprio_dim) == (cls.action_dim, cls.proprio_dim)
+        env.reset(0)
+        assert env.expert_action(np.random.default_rng(0), 0.0).shape == (cls.action_dim,)
+        env.step(np.zeros(cls.action_dim, dtype=np.float32))
+        assert env.proprio().shape == (cls.proprio_dim,)
+        if hasattr(env, "model"):  # MuJoCo: one actuator per action component
+            assert env.model.nu == cls.action_dim
+    finally:
+        env.close()
+
+
+def test_action_dims_builds_no_simulator(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lensemble.config import parse_params
+    from lensemble.workflow import action_dims
+    from tests.conftest import micro_params
+
+    raw = micro_params()
+    raw["data"]["sites"] = [{"name": f"s{i}", "embodiment": name, "episodes": 1} for i, name in enumerate(sorted(EMBODIMENTS))]
+    params = parse_params(raw)
+
+    def refuse(self: Embodiment, *args: object, **kwargs: object) -> None:
+        raise AssertionError(f"{type(self).__name__} was built")
+
+    for name in EMBODIMENTS:
+        monkeypatch.setattr(embodiment_class(name), "__init__", refuse)
+    assert action_dims(params) == {name: embodiment_class(name).action_dim for name in EMBODIMENTS}
 
 
 def test_missing_simulator_names_its_pip_package(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -345,7 +345,3 @@ def scan_paths(paths: Iterable[Path], index: PrivateIndex) -> dict[str, dict[str
                 found[str(f)] = hits
     return found
 
-
-def scan_bytes(blob: bytes, index: PrivateIndex) -> int:
-    """Total hits of `index` in `blob` (raw bytes only)."""
-    return sum(index.scan(blob).values())

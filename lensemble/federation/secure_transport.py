@@ -132,7 +132,7 @@ def _site_vector(ctx: RoundContext, site: str, delta: Mapping[str, torch.Tensor]
     if weighted:
         x_N = x_N * torch.tensor(ctx.weight(site), dtype=torch.float32)
     if x_N.numel() and float(x_N.abs().max()) > MAX_ABS:
-        raise IntegrityError(f"update from {site!r} has values above {MAX_ABS:.3g}; it diverged")
+        raise IntegrityError(f"update from {site!r} has values above {MAX_ABS:.3g}; it diverged", site=site)
     return x_N
 
 
@@ -148,7 +148,7 @@ def _read_f32(body: memoryview, site: str, what: str) -> torch.Tensor:
     """fp32 values from a body; IntegrityError unless finite, non-negative and in the quantizer's domain."""
     v = torch.from_numpy(np.frombuffer(body, dtype="<f4").astype(np.float32))
     if not torch.isfinite(v).all() or (v < 0).any() or (v.numel() and float(v.max()) > MAX_ABS):
-        raise IntegrityError(f"update from {site!r} has {what} that are NaN, Inf, negative or above {MAX_ABS:.3g}")
+        raise IntegrityError(f"update from {site!r} has {what} that are NaN, Inf, negative or above {MAX_ABS:.3g}", site=site)
     return v
 
 
@@ -169,7 +169,7 @@ class _SignedTransport(Transport):
     def register(self, site: str, public_key) -> None:
         """Add a site's Ed25519 public key to the registry (a party holding only its own signing key)."""
         if site in self._registry and self._registry[site].public_bytes_raw() != public_key.public_bytes_raw():
-            raise IntegrityError(f"site {site!r} presented a different signing key from the one registered")
+            raise IntegrityError(f"site {site!r} presented a different signing key from the one registered", site=site)
         self._registry[site] = public_key
 
     def _signing_key(self, site: str) -> Ed25519PrivateKey:
@@ -279,7 +279,7 @@ class SecureInt8Transport(_SignedTransport):
         for site in ctx.site_ids:
             wire = shares[site]
             if len(wire) != KEY_BYTES + SIGNATURE_BYTES:
-                raise IntegrityError(f"key share from {site!r} has {len(wire)} bytes, expected {KEY_BYTES + SIGNATURE_BYTES}")
+                raise IntegrityError(f"key share from {site!r} has {len(wire)} bytes, expected {KEY_BYTES + SIGNATURE_BYTES}", site=site)
             key = bytes(wire[:KEY_BYTES])
             open_signed(key_message(ctx.run_id, ctx.round_idx, site, key) + bytes(wire[KEY_BYTES:]), site, self._registry)
             public[site] = key
@@ -303,7 +303,7 @@ class SecureInt8Transport(_SignedTransport):
             header, body = unpack_header(open_signed(announcements[site], site, self._registry)[0], site)
             check_binding(header, announce_header(ctx.run_id, ctx.round_idx, site, ctx.spec, attempt.session), site)
             if len(body) != 4 * nb:
-                raise IntegrityError(f"announcement from {site!r} has {len(body)} bytes, expected {4 * nb}")
+                raise IntegrityError(f"announcement from {site!r} has {len(body)} bytes, expected {4 * nb}", site=site)
             absmax_CB.append(_read_f32(body, site, "block absmax values"))
         raise_if_missing(ctx, announcements, "announcement")
         attempt.absmax_B = torch.stack(absmax_CB).amax(dim=0)

@@ -51,29 +51,29 @@ def open_signed(payload: bytes, site: str, registry: Mapping[str, Ed25519PublicK
     IntegrityError if the site has no registered key, the payload is too short or the signature is bad.
     """
     if site not in registry:
-        raise IntegrityError(f"update from {site!r}: no registered signing key for this site")
+        raise IntegrityError(f"update from {site!r}: no registered signing key for this site", site=site)
     if len(payload) < SIGNATURE_BYTES:
-        raise IntegrityError(f"update from {site!r} is truncated ({len(payload)} bytes, shorter than a signature)")
+        raise IntegrityError(f"update from {site!r} is truncated ({len(payload)} bytes, shorter than a signature)", site=site)
     view = memoryview(payload)
     message, signature = view[:-SIGNATURE_BYTES], view[-SIGNATURE_BYTES:]
     digest = hashlib.sha256(message).digest()  # a view: no copy of a large body
     try:
         registry[site].verify(signature, _SIGN_LABEL + digest)
     except InvalidSignature:
-        raise IntegrityError(f"update from {site!r} has a bad Ed25519 signature (tampered or wrong key)") from None
+        raise IntegrityError(f"update from {site!r} has a bad Ed25519 signature (tampered or wrong key)", site=site) from None
     return message, digest.hex()
 
 
 def check_binding(header: Mapping, expected: Mapping, site: str) -> None:
     """IntegrityError naming the first header field that differs from what this round expects."""
     if not isinstance(header, Mapping):
-        raise IntegrityError(f"update from {site!r} has a header that is not a JSON object")
+        raise IntegrityError(f"update from {site!r} has a header that is not a JSON object", site=site)
     for key in sorted(set(expected) | set(header)):
         if key not in expected:
-            raise IntegrityError(f"update from {site!r} has an unexpected header field {key!r}")
+            raise IntegrityError(f"update from {site!r} has an unexpected header field {key!r}", site=site)
         if header.get(key) != expected[key]:
             raise IntegrityError(
-                f"update from {site!r} is bound to {key}={header.get(key)!r}, expected {key}={expected[key]!r}"
+                f"update from {site!r} is bound to {key}={header.get(key)!r}, expected {key}={expected[key]!r}", site=site
             )
 
 
@@ -101,7 +101,7 @@ class ReplayGuard:
             run, round_idx, site, digest = entry
             raise IntegrityError(
                 f"update from {site!r} replays one already accepted in another aggregation"
-                f" (run {run!r}, round {round_idx}, sha256 {digest[:16]})"
+                f" (run {run!r}, round {round_idx}, sha256 {digest[:16]})", site=site
             )
 
     def record(self, entries: Iterable[tuple[str, int, str, str]], context: str) -> None:
@@ -114,7 +114,7 @@ def check_roster(ctx: RoundContext, sites: Iterable[str]) -> None:
     """IntegrityError for a sender outside the round's federation."""
     unknown = sorted(set(sites) - set(ctx.site_ids))
     if unknown:
-        raise IntegrityError(f"update from {unknown[0]!r}: site is not in the federation {list(ctx.site_ids)}")
+        raise IntegrityError(f"update from {unknown[0]!r}: site is not in the federation {list(ctx.site_ids)}", site=unknown[0])
 
 
 def raise_if_missing(ctx: RoundContext, sites: Iterable[str], stage: str) -> None:
@@ -154,7 +154,7 @@ def verify_updates(
         check_binding(header, expected_header(site, header), site)
         if len(body) != body_bytes:
             raise IntegrityError(
-                f"update from {site!r} has {len(body)} body bytes, expected {body_bytes} for this parameter spec"
+                f"update from {site!r} has {len(body)} body bytes, expected {body_bytes} for this parameter spec", site=site
             )
         if check_body is not None:
             check_body(site, body)

@@ -76,19 +76,19 @@ class RoundContext:
 def check_delta(ctx: RoundContext, site: str, delta: Mapping[str, torch.Tensor]) -> None:
     """Names, shapes, dtype and finiteness of a site's Δ_c against the round's spec."""
     if site not in ctx.site_ids:
-        raise IntegrityError(f"site {site!r} is not in the federation {list(ctx.site_ids)}")
+        raise IntegrityError(f"site {site!r} is not in the federation {list(ctx.site_ids)}", site=site)
     names = tuple(sorted(delta))
     expected = tuple(name for name, _ in ctx.spec)
     if names != expected:
         extra = sorted(set(names) - set(expected))
         missing = sorted(set(expected) - set(names))
-        raise IntegrityError(f"update from {site!r} has wrong names: extra {extra}, missing {missing}")
+        raise IntegrityError(f"update from {site!r} has wrong names: extra {extra}, missing {missing}", site=site)
     for name, shape in ctx.spec:
         t = delta[name]
         if tuple(t.shape) != shape:
-            raise IntegrityError(f"update from {site!r}: {name} has shape {tuple(t.shape)}, expected {shape}")
+            raise IntegrityError(f"update from {site!r}: {name} has shape {tuple(t.shape)}, expected {shape}", site=site)
         if not torch.isfinite(t).all():
-            raise IntegrityError(f"update from {site!r}: {name} holds NaN or Inf")
+            raise IntegrityError(f"update from {site!r}: {name} holds NaN or Inf", site=site)
 
 
 def flatten(spec: ParamSpec, delta: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -123,14 +123,14 @@ def pack_header(header: dict) -> bytes:
 def unpack_header(payload: bytes, site: str) -> tuple[dict, memoryview]:
     """Split a payload into its header and body; IntegrityError if it is malformed."""
     if len(payload) < 4:
-        raise IntegrityError(f"update from {site!r} is truncated ({len(payload)} bytes)")
+        raise IntegrityError(f"update from {site!r} is truncated ({len(payload)} bytes)", site=site)
     (n,) = struct.unpack_from("<I", payload, 0)
     if 4 + n > len(payload):
-        raise IntegrityError(f"update from {site!r} has a header longer than the payload")
+        raise IntegrityError(f"update from {site!r} has a header longer than the payload", site=site)
     try:
         header = json.loads(bytes(payload[4 : 4 + n]))
     except ValueError as exc:
-        raise IntegrityError(f"update from {site!r} has an unreadable header: {exc}") from None
+        raise IntegrityError(f"update from {site!r} has an unreadable header: {exc}", site=site) from None
     return header, memoryview(payload)[4 + n :]
 
 
@@ -154,6 +154,9 @@ class Transport(ABC):
     """How Δ_c travels; see the module docstring for the call order."""
 
     name: str = ""
+
+    def register(self, site: str, public_key) -> None:
+        """Aggregator side (and a site's, for its peers): take a site's Ed25519 public key; nothing to do unsigned."""
 
     def begin_round(self, ctx: RoundContext) -> dict[str, int]:
         """Per-round setup when every site's side lives in this object: each site's key share, accepted.
@@ -223,7 +226,7 @@ class PlainFP32(Transport):
         numel = spec_numel(ctx.spec)
         unknown = sorted(set(payloads) - set(ctx.site_ids))
         if unknown:
-            raise IntegrityError(f"update from {unknown[0]!r}: site is not in the federation {list(ctx.site_ids)}")
+            raise IntegrityError(f"update from {unknown[0]!r}: site is not in the federation {list(ctx.site_ids)}", site=unknown[0])
         missing = sorted(set(ctx.site_ids) - set(payloads))
         if missing:
             raise ParticipantDropped(f"round {ctx.round_idx}: no update from {missing}; rerun the round with the surviving sites")
@@ -232,11 +235,11 @@ class PlainFP32(Transport):
             header, body = unpack_header(payloads[site], site)
             expected = {"run": ctx.run_id, "round": ctx.round_idx, "site": site, "spec": spec_hash(ctx.spec)}
             if header != expected:
-                raise IntegrityError(f"update from {site!r} is bound to {header}, expected {expected}")
+                raise IntegrityError(f"update from {site!r} is bound to {header}, expected {expected}", site=site)
             if len(body) != 4 * numel:
-                raise IntegrityError(f"update from {site!r} has {len(body)} body bytes, expected {4 * numel}")
+                raise IntegrityError(f"update from {site!r} has {len(body)} body bytes, expected {4 * numel}", site=site)
             if not np.isfinite(np.frombuffer(body, dtype="<f4")).all():
-                raise IntegrityError(f"update from {site!r} holds NaN or Inf")
+                raise IntegrityError(f"update from {site!r} holds NaN or Inf", site=site)
             bodies[site] = body
         return Accepted(bodies)
 

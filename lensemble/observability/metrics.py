@@ -40,10 +40,3 @@ class MetricsSink:
             for rec in self.records:
                 f.write(json.dumps({"run_id": self.run_id, **rec}, sort_keys=True) + "\n")
 
-
-def read_metrics(path: Path, stage: str | None = None) -> list[dict]:
-    """All records of a JSONL file, optionally of one stage."""
-    if not Path(path).is_file():
-        return []
-    out = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return [r for r in out if stage is None or r["stage"] == stage]

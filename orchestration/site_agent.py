@@ -16,11 +16,10 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
-from prefect import task
-from prefect.cache_policies import NONE
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
@@ -31,8 +30,9 @@ from lensemble.errors import IntegrityError, ParticipantDropped
 from lensemble.federation.exchange import (
     Exchange, attempt_prefix, exchange_url, pack_tensors, round_prefix, unpack_tensors,
 )
-from lensemble.federation.transport import RoundContext, Transport, param_spec
-from lensemble.federation.transports import make_transport
+from lensemble.federation.rounds import SiteCodec, SiteEndpoint
+from lensemble.federation.transport import RoundContext, param_spec
+from lensemble.federation.transports import site_codec
 from lensemble.paths import Layout
 from lensemble.workflow import probe_frames
 
@@ -72,11 +72,6 @@ def read_public_key(ex: Exchange, site: str) -> Ed25519PublicKey | None:
     return None if raw is None else Ed25519PublicKey.from_public_bytes(raw)
 
 
-def site_transport(p: Params, site: str, key: Ed25519PrivateKey) -> Transport:
-    """The transport of params, holding only this site's signing key."""
-    return make_transport(p.federate.transport, p.federate.quant_block, site_keys={site: key})
-
-
 def state_dir(layout: Layout, site: str, run_id: str) -> Path:
     """The site's local state for one federation run (model, AdamW moments, Δ_c, snapshots)."""
     return layout.root / "site_state" / site / run_id
@@ -92,12 +87,6 @@ def snapshot_before(folder: Path, round_idx: int) -> None:
     for old in folder.glob("before-*.pt"):
         if int(old.stem.split("-")[1]) < round_idx:
             old.unlink()
-
-
-@task(name="site-round", cache_policy=NONE)
-def site_round_task(root: str, site: str, run_id: str, round_idx: int) -> dict:
-    """`site_round` as a task of the coordinator's runner (`federate.site_launch: task`, one machine)."""
-    return site_round(root, site, run_id, round_idx)
 
 
 def site_round(root: str, site: str, run_id: str, round_idx: int) -> dict:
@@ -126,7 +115,8 @@ def site_round(root: str, site: str, run_id: str, round_idx: int) -> dict:
     delta = torch.load(folder / "delta.pt", weights_only=True)
     spec = param_spec(broadcast["state"])
     guard = ResidencyGuard(site, spec, layout.site_audit(site), private=PrivateIndex.load(index_path(layout.site_episodes(site))))
-    transport = site_transport(p, site, key)
+    codec = site_codec(p.federate.transport, p.federate.quant_block, site, key, {})
+    endpoint = SiteEndpoint(site, codec, lambda: delta, partial(guard.release, "payload"))
     attempt, sent = 0, 0
     while True:
         a = attempt_prefix(run_id, round_idx, attempt)
@@ -137,28 +127,28 @@ def site_round(root: str, site: str, run_id: str, round_idx: int) -> dict:
         if site not in invited:
             break  # dropped by the coordinator for this round
         ctx = RoundContext(run_id, round_idx, invited, spec)
-        if hasattr(transport, "register"):
-            for peer in invited:
-                pub = read_public_key(ex, peer)
-                if pub is None:
-                    raise ParticipantDropped(f"site {site}: peer {peer!r} has no enrolled key in {ex.url}")
-                transport.register(peer, pub)
-        sent += ex.put(f"{a}/{site}.key", guard.release("payload", transport.key_share(ctx, site)))
+        register_peers(ex, codec, site, invited)
+        sent += ex.put(f"{a}/{site}.key", endpoint.key_share(ctx))
         nxt = f"{attempt_prefix(run_id, round_idx, attempt + 1)}/open.json"
         name, blob = ex.first([f"{a}/roster.pt", nxt, done], time.monotonic() + timeout, f"site {site} round {round_idx}: roster")
         if name == f"{a}/roster.pt":
-            transport.accept_shares(ctx, unpack_tensors(blob))
-            sent += ex.put(f"{a}/{site}.ann", guard.release("payload", transport.announce(ctx, site, delta)))
+            sent += ex.put(f"{a}/{site}.ann", endpoint.announce(ctx, unpack_tensors(blob)))
             name, blob = ex.first([f"{a}/grid.bin", nxt, done], time.monotonic() + timeout, f"site {site} round {round_idx}: grid")
             if name == f"{a}/grid.bin":
-                transport.accept_grid(ctx, blob)
-                t1 = time.perf_counter()
-                payload = transport.encode(ctx, site, delta)
-                ex.put(f"{a}/{site}.enc_seconds", str(time.perf_counter() - t1).encode())
-                sent += ex.put(f"{a}/{site}.upd", guard.release("payload", payload))
+                payload, seconds = endpoint.encode(ctx, blob)
+                ex.put(f"{a}/{site}.enc_seconds", str(seconds).encode())
+                sent += ex.put(f"{a}/{site}.upd", payload)
         if name == done:
             break
         attempt += 1
     (folder / "delta.pt").unlink(missing_ok=True)  # Δ_c is spent once the round is closed
     return {"site": site, "round": round_idx, "attempts": attempt + 1, "train_seconds": train_seconds, "bytes_sent": sent}
 
+
+def register_peers(ex: Exchange, codec: SiteCodec, site: str, invited: tuple[str, ...]) -> None:
+    """Give the site's codec every invited peer's enrolled public key (it checks their key shares)."""
+    for peer in invited:
+        pub = read_public_key(ex, peer)
+        if pub is None:
+            raise ParticipantDropped(f"site {site}: peer {peer!r} has no enrolled key in {ex.url}")
+        codec.register(peer, pub)
