@@ -27,7 +27,7 @@ def populate(root: Path, runs: int) -> None:
     from mlflow.entities import Metric, Param, RunTag
 
     from lensemble.budgets import load_budgets
-    from tasks.tracking import Tracker
+    from orchestration.tracking import Tracker
 
     budgets = load_budgets(root / "budgets.yaml")
     stages = sorted({b.stage for b in budgets})
@@ -57,7 +57,7 @@ def main() -> None:
         os.environ.update(env)
         populate(scratch, args.runs)
         start = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "lensemble.cli", "budgets", "compare"], cwd=scratch, env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "budgets", "compare"], cwd=scratch, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         table_s, lines = None, []
         for line in proc.stdout:

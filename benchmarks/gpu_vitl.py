@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.suite import LARGE, StepSetting, bench_params  # noqa: E402
 from lensemble import compute  # noqa: E402
-from lensemble.bench import LARGE, StepSetting, bench_params  # noqa: E402
 from lensemble.observability.hardware import hardware_class, hardware_string  # noqa: E402
 from lensemble.training import autocast_context, make_optimizer  # noqa: E402
 from lensemble.workflow import build_model  # noqa: E402

@@ -25,7 +25,7 @@ def main() -> None:
     for r in rounds:
         print(f"round {r['round']}: wall {r['seconds']:7.2f} s   work {r['work_seconds']:7.2f} s   Prefect {r['orchestration_seconds']:5.2f} s"
               f"   ({100 * r['orchestration_seconds'] / r['seconds']:.2f}%)")
-    from tasks.tracking import Tracker
+    from orchestration.tracking import Tracker
 
     tracker = Tracker(root)
     found = tracker.client.search_runs([tracker.experiment_id], "tags.`lensemble.stage` = 'federate' and tags.`lensemble.kind` = 'stage'",

@@ -4,7 +4,7 @@
 
 `tracking_share.py` counts what tracking adds to a stage's wall time directly (budget evaluation,
 waiting for the opening, recording). The opening itself (import MLflow, open the SQL store, create
-the parent and stage runs: `tasks.runner._open_run`) runs on a thread beside the stage's work and
+the parent and stage runs: `orchestration.runner._open_run`) runs on a thread beside the stage's work and
 takes CPU from it. This measures that: two representative stage workloads, each timed alone (A)
 and with a fresh opening on a background thread against a scratch store (B), in a fresh process per
 measurement (MLflow must not be imported yet, as at a stage's start); best of `repeats` each.
@@ -34,7 +34,7 @@ sys.path.insert(0, {root!r})
 kind, with_opening, scratch = sys.argv[1], sys.argv[2] == "1", Path(sys.argv[3])
 import torch, yaml
 from lensemble.config import parse_params
-from lensemble.bench import EMBODIMENT, step_fixture
+from benchmarks.suite import EMBODIMENT, step_fixture
 raw = yaml.safe_load((Path({root!r}) / "params.yaml").read_text())
 raw["data"]["sites"] = [{{"name": "bench", "embodiment": EMBODIMENT, "episodes": 2}}]  # the default model, synthetic frames
 params = parse_params(raw)
@@ -43,7 +43,7 @@ fx = step_fixture(params) if kind == "torch" else None
 fx.run(5) if fx else None  # warm-up outside the timed window
 result = {{}}
 def opening():
-    from tasks.runner import _open_run
+    from orchestration.runner import _open_run
     run = _open_run(scratch, "bench-key", {{"lensemble.stage": "bench"}}, "bench")
     result.update(wall=run.seconds, cpu=run.cpu_seconds)
 def work():

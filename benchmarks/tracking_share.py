@@ -20,7 +20,7 @@ STAGES = ("prepare", "residency", "centralized", "federate", "gauge", "evaluate"
 def main() -> None:
     root = Path(sys.argv[1] if len(sys.argv) > 1 else ".").resolve()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tasks.tracking import Tracker
+    from orchestration.tracking import Tracker
 
     tracker = Tracker(root)
     latest = {}

@@ -16,8 +16,8 @@ import yaml
 from prefect import flow, unmapped
 
 from lensemble.report import plot_ablation
+from orchestration.runner import stage_run
 from tasks.ablation import grid, point_params, require_inputs, run_point
-from tasks.runner import stage_run
 
 
 @flow(name="ablation")

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from prefect import flow
 
+from orchestration.runner import stage_run
 from tasks.preflight import preflight
-from tasks.runner import stage_run
 from tasks.train import train_centralized
 
 

@@ -8,8 +8,8 @@ from prefect import flow
 from tqdm import tqdm
 
 from lensemble.workflow import site_names
+from orchestration.runner import stage_run
 from tasks.evaluate import REFERENCES, evaluate_site, evaluated_models
-from tasks.runner import stage_run
 
 
 def by_embodiment(results: dict, agents: tuple[str, ...]) -> dict:

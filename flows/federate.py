@@ -19,9 +19,9 @@ from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 from tqdm import tqdm
 
+from lensemble.perf import peak_memory_gib
 from orchestration.federation import baselines, commit_round, federation_round, open_federation, outer_step, remove_checkpoint, resume, summarize
-from tasks.runner import stage_run
-from lensemble.latency import peak_memory_gib
+from orchestration.runner import stage_run
 from tasks.federation import record_round
 from tasks.preflight import preflight
 

@@ -7,8 +7,8 @@ from prefect import flow
 
 from lensemble.errors import DataError
 from lensemble.gauge import gauge_over_rounds
+from orchestration.runner import stage_run
 from tasks.evaluate import gauge_final
-from tasks.runner import stage_run
 
 # canonical metric → per-round row key, logged in this order every round
 _ROUND_METRICS = (("gauge/drift_angle_deg", "drift_angle_deg_mean"),

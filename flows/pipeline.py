@@ -20,7 +20,7 @@ STAGE_FLOWS = (prepare_flow, residency_flow, centralized_flow, federate_flow, ga
 @flow(name="lensemble-pipeline")
 def pipeline_flow(root: str = ".") -> None:
     """Run every stage; the stages share one MLflow parent run created here."""
-    from tasks.tracking import Tracker
+    from orchestration.tracking import Tracker
 
     tracker = Tracker(__import__("pathlib").Path(root))
     parent = tracker.parent_run(f"pipeline-{uuid.uuid4().hex}", {"lensemble.kind": "pipeline"})

@@ -7,8 +7,8 @@ from prefect import flow
 from tqdm import tqdm
 
 from lensemble.workflow import embodiments
+from orchestration.runner import stage_run
 from tasks.data import generate_probe, generate_site
-from tasks.runner import stage_run
 
 
 @flow(name="prepare")

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from prefect import flow
 
+from orchestration.runner import stage_run
 from tasks.report import write_report
-from tasks.runner import stage_run
 
 
 @flow(name="report")

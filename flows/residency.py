@@ -10,8 +10,8 @@ from __future__ import annotations
 from prefect import flow
 
 from lensemble.workflow import site_names
+from orchestration.runner import stage_run
 from tasks.residency import audit_site
-from tasks.runner import stage_run
 
 
 @flow(name="residency")

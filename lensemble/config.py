@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import zoneinfo
 from pathlib import Path
 from typing import Any, Literal
 
@@ -165,6 +167,52 @@ class EvaluateParams(Section):
     success: dict[str, str] = Field(default_factory=dict, description="Success criterion per embodiment (a name from its `success_criteria`); unnamed embodiments use their first.")
 
 
+_CRON_ALIASES = frozenset({"@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly"})
+_MONTHS = {name: i + 1 for i, name in enumerate(("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"))}
+_DAYS = {name: i for i, name in enumerate(("sun", "mon", "tue", "wed", "thu", "fri", "sat"))}
+# (low, high, names, a whole field allowed besides lists) of minute, hour, day of month, month, day of week (0 and 7: Sunday)
+_CRON_FIELDS = ((0, 59, {}, None), (0, 23, {}, None), (1, 31, {}, r"\?|L"), (1, 12, _MONTHS, None), (0, 7, _DAYS, r"\?|[0-7]#[1-5]"))
+
+
+def _cron_value(text: str, names: dict[str, int]) -> int | None:
+    if text.isascii() and text.isdigit():
+        return int(text)
+    return names.get(text.lower())
+
+
+def _cron_item(item: str, low: int, high: int, names: dict[str, int]) -> bool:
+    """One comma-separated item of a field: `*`, a value or a range `a-b`, each with an optional `/step`."""
+    base, slash, step = item.partition("/")
+    if slash and not (step.isascii() and step.isdigit() and int(step) > 0):
+        return False
+    if base == "*":
+        return True
+    first, dash, last = base.partition("-")
+    values = [_cron_value(text, names) for text in ((first, last) if dash else (first,))]
+    return all(v is not None and low <= v <= high for v in values) and values == sorted(values)
+
+
+def valid_cron(expr: str) -> bool:
+    """Whether `expr` is a five-field cron schedule (or an alias such as `@hourly`) that Prefect's scheduler accepts.
+
+    Standard cron: lists, ranges, steps, month and weekday names, `?` and `L` in the day of month,
+    `?` and `N#k` (k-th weekday N of the month) in the day of week. Prefect's croniter also takes a
+    sixth (seconds) field, ranges that wrap (`5-1`, `mon-sun`) and `L` or `#` inside lists or with
+    names; those are refused here (tests/test_cron.py holds the two together).
+    """
+    fields = expr.split()
+    if len(fields) == 1:
+        return fields[0].lower() in _CRON_ALIASES
+    if len(fields) != len(_CRON_FIELDS):
+        return False
+    for field, (low, high, names, special) in zip(fields, _CRON_FIELDS):
+        if special and re.fullmatch(special, field):
+            continue
+        if not all(_cron_item(item, low, high, names) for item in field.split(",")):
+            return False
+    return True
+
+
 class ServeParams(Section):
     cron: str | None = Field(None, description="`lensemble serve`: cron schedule of the federation-rounds deployment (e.g. '0 * * * *'); exclusive with interval_seconds.")
     interval_seconds: float | None = Field(3600.0, gt=0.0, description="`lensemble serve`: interval schedule of the federation-rounds deployment, in seconds.")
@@ -174,13 +222,9 @@ class ServeParams(Section):
     def _one_schedule(self) -> "ServeParams":
         if (self.cron is None) == (self.interval_seconds is None):
             raise ValueError("give exactly one of cron and interval_seconds (set the other to null)")
-        if self.cron is not None:
-            from prefect.client.schemas.schedules import CronSchedule
-
-            try:
-                CronSchedule(cron=self.cron, timezone=self.timezone)
-            except ValueError:
-                raise ValueError(f"cron {self.cron!r} in time zone {self.timezone!r} does not parse; five fields, e.g. '0 * * * *'") from None
+        known_zone = not self.timezone or self.timezone in zoneinfo.available_timezones()  # as Prefect's CronSchedule checks it
+        if self.cron is not None and not (valid_cron(self.cron) and known_zone):
+            raise ValueError(f"cron {self.cron!r} in time zone {self.timezone!r} does not parse; five fields, e.g. '0 * * * *'")
         return self
 
 

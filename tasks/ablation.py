@@ -27,8 +27,8 @@ from lensemble.config import Params, load_params, parse_params
 from lensemble.errors import ConfigError, DataError, LensembleError
 from lensemble.paths import Layout
 from lensemble.workflow import site_names
+from orchestration.tracking import tracking_uri
 from tasks.evaluate import evaluate_models
-from tasks.tracking import tracking_uri
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def _run_stage(sub: Path, stage: str, root: Path) -> None:
     env = {**os.environ, "MLFLOW_TRACKING_URI": tracking_uri(root), "PREFECT_HOME": os.environ.get("PREFECT_HOME", str(root / ".prefect"))}
     if PREFECT_API_URL.value():  # the server this flow reports to (project-local, exported, or a test harness)
         env["PREFECT_API_URL"] = PREFECT_API_URL.value()
-    proc = subprocess.run([sys.executable, "-m", "lensemble.cli", "run", stage], cwd=sub, env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", stage], cwd=sub, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise LensembleError(f"ablation point {sub.name}: stage {stage} failed: {last}")

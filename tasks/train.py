@@ -8,15 +8,15 @@ import torch
 from prefect import task
 from prefect.cache_policies import NONE
 
-from lensemble.latency import component_latency
 from lensemble.config import Params
 from lensemble.data.audit import load_index
 from lensemble.data.residency import ResidencyGuard
-from lensemble.federation.transport import param_spec
 from lensemble.dynamics import dynamics_report
+from lensemble.federation.transport import param_spec
 from lensemble.gauge import drift, effective_dim, pool_tokens
 from lensemble.model.world_model import federated_state, load_federated, local_state
 from lensemble.paths import Layout
+from lensemble.perf import component_latency
 from lensemble.training import encode_frames, make_optimizer, train_steps
 from lensemble.workflow import (build_model, load_probe_episodes, load_site, probe_frames, sampler_for, site_embodiment, site_names,
                                 warm_start)

@@ -88,7 +88,7 @@ def test_budgets_compare_reads_mlflow_prints_the_table_and_writes_the_plot(tmp_p
     (root / "budgets.yaml").write_text((REPO / "budgets.yaml").read_text())
     uri = f"sqlite:///{root / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    from tasks.tracking import Tracker
+    from orchestration.tracking import Tracker
 
     tracker = Tracker(root)
     parent = tracker.parent_run("cmp", {"lensemble.kind": "pipeline"})
@@ -97,7 +97,7 @@ def test_budgets_compare_reads_mlflow_prints_the_table_and_writes_the_plot(tmp_p
         run_id = tracker.start_stage(parent, "federate", {"lensemble.stage": "federate", "lensemble.hardware_class": hw})
         tracker.client.log_metric(run_id, "fed/bytes_per_param", value)
         tracker.finish(run_id, ok=True)
-    proc = subprocess.run([sys.executable, "-m", "lensemble.cli", "--root", str(root), "budgets", "compare"],
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "--root", str(root), "budgets", "compare"],
                           capture_output=True, text=True, timeout=120, env={**__import__("os").environ, "MLFLOW_TRACKING_URI": uri})
     assert proc.returncode == 0, proc.stderr
     rows = {tuple(line.split()[:3]): line.split() for line in proc.stdout.splitlines() if line.startswith("wire_bytes_per_param")}

@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from benchmarks.profiler import SPANS, profile_main, profile_step
+from benchmarks.suite import BENCHMARKS, StepSetting, bench_main, bench_params, run_bench, select
 from lensemble import compute
-from lensemble.bench import BENCHMARKS, StepSetting, bench_main, bench_params, run_bench, select
 from lensemble.config import load_params, parse_params
 from lensemble.errors import ConfigError
 from lensemble.model.vit import ViTEncoder, vit_config
 from lensemble.model.warm_start import validate_warm_start, warm_start_encoder
-from lensemble.profiling import SPANS, profile_main, profile_step
 from lensemble.training import autocast_context
 from lensemble.workflow import build_model
 from tests.conftest import micro_params

@@ -177,7 +177,7 @@ def test_frames_to_tensor_is_the_documented_arithmetic():
 def test_site_datasets_are_logged_by_digest_and_source_only(eps, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from tasks.datasets import log_site_datasets
+    from orchestration.datasets import log_site_datasets
 
     store = tmp_path / "data" / "sites" / "site_a" / "episodes.parquet"
     write_episodes(eps, store)

@@ -1,4 +1,4 @@
-"""Per-component budget figures measured on every Stage A run (lensemble.latency)."""
+"""Per-component budget figures measured on every Stage A run (lensemble.perf)."""
 from __future__ import annotations
 
 import os
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lensemble.config import parse_params
-from lensemble.latency import component_latency, peak_memory_gib
+from lensemble.perf import component_latency, peak_memory_gib
 from lensemble.workflow import build_model
 from tests.conftest import micro_params
 

@@ -143,7 +143,7 @@ def test_sovereign_bad_input_fails_before_any_round(prefect_server, project, fed
 
 
 def _cli(root, *args, env=None, timeout=120):
-    return subprocess.run([sys.executable, "-m", "lensemble.cli", "--root", str(root), *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "flows.cli", "--root", str(root), *args], capture_output=True, text=True,
                           timeout=timeout, cwd=REPO, env=env)
 
 
@@ -171,7 +171,7 @@ def test_serve_registers_the_pipeline_and_the_scheduled_rounds(prefect_server, p
     raw["serve"] = {"cron": "*/15 * * * *", "interval_seconds": None, "timezone": "Europe/Berlin"}
     (project / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
-    proc = subprocess.Popen([sys.executable, "-m", "lensemble.cli", "--root", str(project), "serve"], cwd=REPO, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "--root", str(project), "serve"], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline, found = time.monotonic() + 90, None

@@ -104,7 +104,7 @@ def test_outer_step_self_check_raises_on_nondeterminism(monkeypatch):
     payloads = {"a": t.encode(ctx, "a", {"encoder.w": torch.ones(3000)})}
     params = {"encoder.w": torch.zeros(3000)}
     calls = iter(range(100))
-    real = outer._step_chunk
+    real = outer.outer_step_chunk
 
     def flaky(*args):
         real(*args)
@@ -112,7 +112,7 @@ def test_outer_step_self_check_raises_on_nondeterminism(monkeypatch):
             new_p_n = args[7]
             new_p_n[5] = torch.nextafter(new_p_n[5], torch.tensor(1.0))
 
-    monkeypatch.setattr(outer, "_step_chunk", flaky)
+    monkeypatch.setattr(outer, "outer_step_chunk", flaky)
     with pytest.raises(NonDeterministicAggregation, match=r"encoder.w\[1000:2000\]"):
         outer.apply_outer_step(ctx, t, t.verify(ctx, payloads), params, None, 0.7, 0.9, chunk=1000)
     assert torch.equal(params["encoder.w"], torch.zeros(3000))  # inputs untouched: the round can recompute

@@ -147,7 +147,7 @@ def test_cli_params_errors_are_one_line_and_write_nothing(tmp_path, edit, messag
     params = micro_params()
     edit(params)
     root = make_project(tmp_path / "bad", params)
-    proc = subprocess.run([sys.executable, "-m", "lensemble.cli", "--root", str(root), "run", "prepare"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "--root", str(root), "run", "prepare"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("lensemble: error: ") and message in lines[0], proc.stderr
@@ -164,7 +164,7 @@ def test_cli_params_errors_are_one_line_and_write_nothing(tmp_path, edit, messag
 )
 def test_cli_ablation_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message):
     root = make_project(tmp_path / "abl", micro_params())
-    proc = subprocess.run([sys.executable, "-m", "lensemble.cli", "--root", str(root), "ablate", *args], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "--root", str(root), "ablate", *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("lensemble: error: ") and message in lines[0], proc.stderr
@@ -173,7 +173,7 @@ def test_cli_ablation_bad_input_is_one_line_and_writes_nothing(tmp_path, args, m
 
 def test_cli_unknown_stage_is_rejected(tmp_path):
     root = make_project(tmp_path / "p", micro_params())
-    proc = subprocess.run([sys.executable, "-m", "lensemble.cli", "--root", str(root), "run", "nonsense"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "--root", str(root), "run", "nonsense"], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "invalid choice" in proc.stderr
     assert yaml.safe_load((root / "params.yaml").read_text())["run"]["seed"] == 0
 
@@ -214,7 +214,7 @@ def test_federate_killed_mid_run_resumes_bitwise(prefect_server, project, tmp_pa
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{project / 'mlflow.db'}")
     env = {**os.environ, "LENSEMBLE_PREFECT": "ephemeral"}
-    proc = subprocess.Popen([sys.executable, "-m", "lensemble.cli", "--root", str(project), "run", "federate"], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "--root", str(project), "run", "federate"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ckpt_dir = project / "checkpoints" / "federate"
     deadline = time.monotonic() + 240

@@ -272,11 +272,11 @@ def test_payload_digests_differ_between_attempts():
 
 
 def test_wire_benchmarks_run_at_tiny_sizes():
-    from lensemble.federation import bench_wire
+    from benchmarks import wire
 
-    assert bench_wire.bench_keystream(1 << 16, repeats=1)["keystream_gbps"] > 0
-    assert bench_wire.bench_quant_mask(1000, num_sites=3, block=64, repeats=1)["total_s"] > 0
-    figures = bench_wire.bench_aggregate(num_sites=3, numel=1000, block=64, copy_bytes=1 << 20)
+    assert wire.bench_keystream(1 << 16, repeats=1)["keystream_gbps"] > 0
+    assert wire.bench_quant_mask(1000, num_sites=3, block=64, repeats=1)["total_s"] > 0
+    figures = wire.bench_aggregate(num_sites=3, numel=1000, block=64, copy_bytes=1 << 20)
     assert figures["ratio"] > 0 and figures["floor_s"] > 0
 
 

@@ -5,7 +5,7 @@ Proprioception leaves the sampler as the model reads it: divided by the embodime
 
 `WindowSampler` draws (episode, start) pairs from a seeded generator and gathers batches with one
 fancy-indexing op, so a batch costs a single copy of its uint8 frames plus one table lookup that
-writes the float32 frames (`python -m lensemble.data.bench_data` measures it against memory bandwidth).
+writes the float32 frames (`python -m benchmarks.data` measures it against memory bandwidth).
 """
 from __future__ import annotations
 

@@ -73,12 +73,16 @@ def nesterov_step(
     return new_params, new_buf
 
 
-def _step_chunk(
+def outer_step_chunk(
     transport: Transport, ctx: RoundContext, accepted: Accepted, start: int, p_n: torch.Tensor,
     m_n: torch.Tensor | None, scratch_n: torch.Tensor, new_p_n: torch.Tensor, new_m_n: torch.Tensor, lr: float,
     momentum: float,
 ) -> None:
-    """Δ̄ on one slice into `scratch_n`, then the outer step on that slice into new_p_n, new_m_n."""
+    """Δ̄ on one slice into `scratch_n`, then the outer step on that slice into new_p_n, new_m_n.
+
+    One evaluation of the eager path; `apply_outer_step` runs it twice per chunk (its self-check),
+    and the wire benchmark (`benchmarks/wire.py`) times it alone.
+    """
     q_n, new_m = scratch_n.numpy(), new_m_n.numpy()
     transport.mean_into(ctx, accepted, start, q_n)
     if m_n is None:
@@ -137,8 +141,8 @@ def apply_outer_step(
                 consistent, where = bad < 0, f"{name}[{a + bad}:{min(b, a + bad + native.TILE)}]"
             else:
                 q_n, check_m_n, check_p_n = (t[: b - a] for t in scratch)
-                _step_chunk(transport, ctx, accepted, offset + a, p_N[a:b], m_n, q_n, new_p_N[a:b], new_m_N[a:b], lr, momentum)
-                _step_chunk(transport, ctx, accepted, offset + a, p_N[a:b], m_n, q_n, check_p_n, check_m_n, lr, momentum)
+                outer_step_chunk(transport, ctx, accepted, offset + a, p_N[a:b], m_n, q_n, new_p_N[a:b], new_m_N[a:b], lr, momentum)
+                outer_step_chunk(transport, ctx, accepted, offset + a, p_N[a:b], m_n, q_n, check_p_n, check_m_n, lr, momentum)
                 consistent = _same_bits(new_p_N[a:b], check_p_n) and _same_bits(new_m_N[a:b], check_m_n)
                 where = f"{name}[{a}:{b}]"
             if not consistent:

@@ -3,12 +3,12 @@
 Pure functions returning plain dicts of numbers (they write only to a temporary folder); `main`
 prints each figure beside its target and, where one applies, its physical limit:
 
-    python -m lensemble.data.bench_data             # full size (~1-2 min on 2 cores)
-    python -m lensemble.data.bench_data --quick     # small counts, seconds
+    python -m benchmarks.data             # full size (~1-2 min on 2 cores)
+    python -m benchmarks.data --quick     # small counts, seconds
 
 - loader: `WindowSampler.sample` windows/s (64x64, 4 frames, batch 64); the bytes it moves
   (uint8 gather read + write, lookup read + float32 write) per second against one-thread memory
-  copy bandwidth (`bench_wire.copy_bandwidth`, bytes read + written): both run on one core.
+  copy bandwidth (`perf.copy_bandwidth`, bytes read + written): both run on one core.
 - generation: one process, sites one after another (pusht, mujoco_point, mujoco_reacher,
   48 episodes x 32 steps at 64x64 by default), each with its Parquet write, manifest and private
   index, plus one public probe per embodiment, as the prepare stage does.
@@ -33,7 +33,7 @@ from lensemble.data.audit import PrivateIndex, fingerprints, index_path
 from lensemble.data.episodes import Episodes, data_manifest, generate_episodes, write_episodes
 from lensemble.data.residency import ResidencyGuard
 from lensemble.data.windows import WindowSampler
-from lensemble.federation.bench_wire import best_seconds
+from lensemble.perf import best_seconds, copy_bandwidth
 from lensemble.sim.registry import make_embodiment
 
 DEFAULT_SITES = (("site_a", "pusht"), ("site_b", "mujoco_point"), ("site_c", "mujoco_reacher"))
@@ -52,8 +52,6 @@ def synthetic_episodes(episodes: int = 48, length: int = 32, image_size: int = 6
 
 def bench_loader(image_size: int = 64, num_steps: int = 4, batch: int = 64, episodes: int = 48, length: int = 32, batches: int = 40) -> dict[str, float]:
     """Windows/s of `WindowSampler.sample` and the bytes it moves per second vs copy bandwidth."""
-    from lensemble.federation.bench_wire import copy_bandwidth
-
     sampler = WindowSampler(synthetic_episodes(episodes, length, image_size), num_steps, proprio_width=16, scale=(1.0,) * 4)
     gen = torch.Generator().manual_seed(0)
     for _ in range(3):

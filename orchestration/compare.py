@@ -11,7 +11,7 @@ import statistics
 from pathlib import Path
 
 from lensemble.budgets import load_budgets
-from tasks.tracking import Tracker
+from orchestration.tracking import Tracker
 
 
 def collect(root: Path, max_runs: int = 10000) -> list[dict]:

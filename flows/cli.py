@@ -11,7 +11,8 @@
     lensemble bench [NAME ...] the benchmark suite, each figure beside its physical limit
     lensemble profile [CONFIG] torch profiler trace and span table of a training step
 
-Errors print one line, `lensemble: error: ...`, and exit with the error's code.
+Errors print one line, `lensemble: error: ...`, and exit with the error's code. The CLI is the top
+layer: it wires flows/ and benchmarks/ (`bench`, `profile`); `python -m flows.cli` is the same command.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import os
 import sys
 from pathlib import Path
 
+from flows.server import ensure_server, stop_server
 from lensemble.errors import ConfigError, LensembleError
 
 STAGES = ("prepare", "residency", "centralized", "federate", "gauge", "evaluate", "report")
@@ -54,7 +56,7 @@ def _plot_worker(conn, path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot  # noqa: F401  (the import is the slow part, done while the parent queries MLflow)
 
-        from tasks.compare import plot
+        from orchestration.compare import plot
 
         rows = conn.recv()
         plot(rows, Path(path))
@@ -77,7 +79,7 @@ def budgets_compare(root: Path, plot_path: Path) -> None:
     child = ctx.Process(target=_plot_worker, args=(receiver, str(plot_path)))
     child.start()
     try:
-        from tasks.compare import collect, format_table
+        from orchestration.compare import collect, format_table
 
         rows = collect(root)
     except BaseException:
@@ -93,16 +95,22 @@ def budgets_compare(root: Path, plot_path: Path) -> None:
     os._exit(0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("bench", "profile"):  # their own argparse; no Prefect or MLflow involved
-        if argv[0] == "bench":
-            from lensemble.bench import bench_main
+def bench_command(args: list[str]) -> int:
+    """`lensemble bench`: the benchmark suite (its own argparse; no Prefect or MLflow involved)."""
+    from benchmarks.suite import bench_main
 
-            return bench_main(argv[1:])
-        from lensemble.profiling import profile_main
+    return bench_main(args)
 
-        return profile_main(argv[1:])
+
+def profile_command(args: list[str]) -> int:
+    """`lensemble profile`: the training-step profiler (its own argparse; no Prefect or MLflow involved)."""
+    from benchmarks.profiler import profile_main
+
+    return profile_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command but `bench` and `profile`."""
     parser = argparse.ArgumentParser(prog="lensemble", description=__doc__.split("\n")[0])
     parser.add_argument("--root", default=".", help="project root (params.yaml, data/, reports/)")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -123,86 +131,129 @@ def main(argv: list[str] | None = None) -> int:
     site = sub.add_parser("site", help="sovereign sites")
     site.add_argument("action", choices=("deploy",))
     site.add_argument("name", help="the site's name in params.yaml")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def prefect_home() -> Path:
+    """The Prefect home `offline_environment` set (or the caller exported)."""
+    return Path(os.environ["PREFECT_HOME"])
+
+
+def check_params_command(root: Path, args: argparse.Namespace) -> None:
+    """`lensemble check-params`: validate params.yaml and print its hash."""
+    from lensemble.config import load_params
+
+    print(load_params(root / "params.yaml").hash())
+
+
+def run_command(root: Path, args: argparse.Namespace) -> None:
+    """`lensemble run STAGE`: one stage's flow, after the warm-start check."""
+    from lensemble.config import load_params
+    from lensemble.model.warm_start import validate_warm_start
+
+    # fail fast, before any server or run starts
+    validate_warm_start(load_params(root / "params.yaml"), root)
+    ensure_server(prefect_home())
+    stage_flow(args.stage, root)(root=str(root))
+
+
+def budgets_command(root: Path, args: argparse.Namespace) -> None:
+    """`lensemble budgets compare`."""
+    budgets_compare(root, root / args.plot)
+
+
+def ablate_command(root: Path, args: argparse.Namespace) -> None:
+    """`lensemble ablate`: every grid point's params checked, then the grid as a Prefect map."""
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    from flows.ablation import ablation_flow
+
+    try:
+        inner = tuple(int(v) for v in args.inner_steps.split(","))
+        anchors = tuple(float(v) for v in args.anchor_weight.split(","))
+    except ValueError:
+        raise ConfigError(f"--inner-steps takes integers and --anchor-weight numbers, comma-separated; "
+                          f"got {args.inner_steps!r}, {args.anchor_weight!r}") from None
+    if args.parallel < 1:
+        raise ConfigError(f"--parallel must be >= 1, got {args.parallel}")
+    import yaml
+
+    from lensemble.config import load_params
+    from tasks.ablation import grid, point_params, require_inputs
+
+    raw = yaml.safe_load((root / "params.yaml").read_text()) if (root / "params.yaml").is_file() else None
+    for point in grid(load_params(root / "params.yaml"), list(inner), list(anchors)):
+        point_params(raw, point)
+    require_inputs(root)  # all before any server, run or folder is started
+    ensure_server(prefect_home())
+    ablation_flow.with_options(task_runner=ThreadPoolTaskRunner(max_workers=args.parallel))(
+        root=str(root), inner_steps=inner, anchor_weights=anchors)
+
+
+def serve_command(root: Path, args: argparse.Namespace) -> None:
+    """`lensemble serve`: the deployments, after the schedule (and a sovereign run's sites) are checked."""
+    from lensemble.config import load_params
+
+    p = load_params(root / "params.yaml")  # a schedule that does not parse fails here, before anything starts
+    ensure_server(prefect_home())
+    if p.federate.execution == "sovereign":
+        from lensemble.paths import Layout
+        from orchestration.sites import check_sovereign
+
+        check_sovereign(p, Layout(root))  # pools, deployments, exchange: before any round
+    from flows.serve import serve_forever
+
+    serve_forever(root, p)
+
+
+def site_command(root: Path, args: argparse.Namespace) -> None:
+    """`lensemble site deploy SITE`."""
+    from lensemble.config import load_params
+
+    load_params(root / "params.yaml")
+    ensure_server(prefect_home())
+    from flows.site import deploy_site
+
+    print(f"deployment {deploy_site(root, args.name)} registered for site {args.name}")
+
+
+def server_command(root: Path, args: argparse.Namespace) -> None:
+    """`lensemble server url|stop`."""
+    if args.action == "stop":
+        print("stopped" if stop_server(prefect_home()) else "no server running")
+    else:
+        print(ensure_server(prefect_home()) or "ephemeral")
+
+
+def pipeline_command(root: Path, args: argparse.Namespace) -> None:
+    """`lensemble pipeline`: every stage as subflows of one flow."""
+    from lensemble.config import load_params
+
+    load_params(root / "params.yaml")
+    ensure_server(prefect_home())
+    from flows.pipeline import pipeline_flow
+
+    pipeline_flow(root=str(root))
+
+
+SUITES = {"bench": bench_command, "profile": profile_command}
+COMMANDS = {
+    "check-params": check_params_command, "run": run_command, "budgets": budgets_command, "ablate": ablate_command,
+    "serve": serve_command, "site": site_command, "server": server_command, "pipeline": pipeline_command,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns the exit code (a LensembleError prints one line and gives its code)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUITES:
+        return SUITES[argv[0]](argv[1:])
+    args = build_parser().parse_args(argv)
     root = Path(args.root)
     offline_environment(root)
     sys.path.insert(0, str(root.resolve()))
-    from flows.server import ensure_server, stop_server
     try:
-        if args.cmd == "check-params":
-            from lensemble.config import load_params
-
-            print(load_params(root / "params.yaml").hash())
-        elif args.cmd == "run":
-            from lensemble.config import load_params
-
-            from lensemble.model.warm_start import validate_warm_start
-
-            # fail fast, before any server or run starts
-            validate_warm_start(load_params(root / "params.yaml"), root)
-            ensure_server(Path(os.environ["PREFECT_HOME"]))
-            stage_flow(args.stage, root)(root=str(root))
-        elif args.cmd == "budgets":
-            budgets_compare(root, root / args.plot)
-        elif args.cmd == "ablate":
-            from prefect.task_runners import ThreadPoolTaskRunner
-
-            from flows.ablation import ablation_flow
-
-            try:
-                inner = tuple(int(v) for v in args.inner_steps.split(","))
-                anchors = tuple(float(v) for v in args.anchor_weight.split(","))
-            except ValueError:
-                raise ConfigError(f"--inner-steps takes integers and --anchor-weight numbers, comma-separated; got {args.inner_steps!r}, {args.anchor_weight!r}") from None
-            if args.parallel < 1:
-                raise ConfigError(f"--parallel must be >= 1, got {args.parallel}")
-            import yaml
-
-            from lensemble.config import load_params
-            from tasks.ablation import grid, point_params, require_inputs
-
-            raw = yaml.safe_load((root / "params.yaml").read_text()) if (root / "params.yaml").is_file() else None
-            for point in grid(load_params(root / "params.yaml"), list(inner), list(anchors)):
-                point_params(raw, point)
-            require_inputs(root)  # all before any server, run or folder is started
-            ensure_server(Path(os.environ["PREFECT_HOME"]))
-            ablation_flow.with_options(task_runner=ThreadPoolTaskRunner(max_workers=args.parallel))(
-                root=str(root), inner_steps=inner, anchor_weights=anchors)
-        elif args.cmd == "serve":
-            from lensemble.config import load_params
-
-            p = load_params(root / "params.yaml")  # a schedule that does not parse fails here, before anything starts
-            ensure_server(Path(os.environ["PREFECT_HOME"]))
-            if p.federate.execution == "sovereign":
-                from lensemble.paths import Layout
-                from orchestration.sites import check_sovereign
-
-                check_sovereign(p, Layout(root))  # pools, deployments, exchange: before any round
-            from flows.serve import serve_forever
-
-            serve_forever(root, p)
-        elif args.cmd == "site":
-            from lensemble.config import load_params
-
-            load_params(root / "params.yaml")
-            ensure_server(Path(os.environ["PREFECT_HOME"]))
-            from flows.site import deploy_site
-
-            print(f"deployment {deploy_site(root, args.name)} registered for site {args.name}")
-        elif args.cmd == "server":
-            home = Path(os.environ["PREFECT_HOME"])
-            if args.action == "stop":
-                print("stopped" if stop_server(home) else "no server running")
-            else:
-                print(ensure_server(home) or "ephemeral")
-        else:
-            from lensemble.config import load_params
-
-            load_params(root / "params.yaml")
-            ensure_server(Path(os.environ["PREFECT_HOME"]))
-            from flows.pipeline import pipeline_flow
-
-            pipeline_flow(root=str(root))
+        COMMANDS[args.cmd](root, args)
     except LensembleError as exc:
         print(f"lensemble: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -1,9 +1,9 @@
 """`lensemble profile`: the compute profiler of the profiling plan (spec 08 §6) on one step setting.
 
-    python -m lensemble.profiling small --steps 3 --out reports/profile
+    lensemble profile small --steps 3 --out reports/profile     (or: python -m benchmarks.profiler ...)
 
 Runs `steps` training steps (after one warm-up step) of a benchmark step setting
-(`lensemble.bench.STEP_SETTINGS`) under `torch.profiler` and writes
+(`benchmarks.suite.STEP_SETTINGS`) under `torch.profiler` and writes
   <out>/profile-<config>.json  a Chrome trace (chrome://tracing, https://ui.perfetto.dev)
   <out>/profile-<config>.txt   the plan's spans — encoder_forward, predictor_step, sigreg_anchor
                                (world_model_loss), backward, optimizer_step (train_steps) — as
@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lensemble.bench import STEP_SETTINGS, StepSetting, bench_params, step_fixture, torch_threads
+from benchmarks.suite import STEP_SETTINGS, StepSetting, bench_params, step_fixture
 from lensemble.errors import LensembleError
 from lensemble.model.vit import vit_config
+from lensemble.perf import torch_threads
 
 SPANS = ("encoder_forward", "predictor_step", "sigreg_anchor", "backward", "optimizer_step")
 TOP_OPS = 25

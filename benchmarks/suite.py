@@ -1,19 +1,19 @@
 """The benchmark suite (`lensemble bench`): every figure beside a physical limit measured in the same run.
 
-    python -c "from lensemble.bench import run_bench; run_bench(None, smoke=False)"
-    python -m lensemble.bench small.mfu wire --smoke
+    lensemble bench                              # everything, reports/bench.json
+    python -m benchmarks.suite small.mfu wire --smoke
 
 Limits, at the current torch thread count:
   peak.matmul_gflops  best fp32 `torch.mm` of 2048² matrices, before and after the step benchmarks
                       (the MFU denominator)
-  peak.copy_gbps      memory copy bandwidth (`bench_wire.copy_bandwidth`, one thread)
+  peak.copy_gbps      memory copy bandwidth (`perf.copy_bandwidth`, one thread)
 
 Benchmarks (a name selects itself or, as a prefix, a group: "small", "wire"):
   <cfg>.mfu                counted FLOPs per step (`compute.count_step_flops`) / best step time / peak
   <cfg>.sigreg_fraction    (SIGReg forward+backward timed alone + the anchor's marginal step time) / best step time
   <cfg>.peak_memory_ratio  measured peak tensor bytes of a step / `compute.memory_estimate`
   large.params, large.memory_estimate_gib   ViT-L, counted on the meta device (no step on CPU)
-  wire.keystream, wire.quant_mask, wire.aggregate   `lensemble.federation.bench_wire`
+  wire.keystream, wire.quant_mask, wire.aggregate   `benchmarks.wire`
 with <cfg> in tiny, small. A step is one `training.train_steps` step (data sampling, forward,
 backward, AdamW) of a federated inner step: fp32, the default objective (64 directions, 17 knots,
 512 SIGReg tokens, anchor on 16 probe frames), 64x64 frames in 16x16 patches (16 tokens, ViT-L/16's
@@ -22,13 +22,12 @@ patch), Windows of 4 frames, batch 16 (tiny) and 8 (small): 64 and 32 frames a s
 2 cores. SIGReg and the anchor are timed alone (forward + backward of each term, the anchor through
 the encoder), because the backward of a span cannot be told apart inside one step.
 
-Peak memory is measured with `torch.profiler` (profile_memory=True): the running sum of every
-allocation and free the CPU allocator reports during the first two steps of a fresh model (the
+Peak memory is `perf.peak_tensor_bytes` (torch.profiler, profile_memory=True): the running sum of
+every allocation and free the CPU allocator reports during the first two steps of a fresh model (the
 second has last step's gradients and the AdamW moments alive, as every later step does), plus the
 parameters' bytes, the only tensors of the step alive before it (the caller's probe set is not the
 step's; the step's copy of its probe batch is counted). It counts tensor bytes, as
-`torch.cuda.max_memory_allocated` does on a GPU, not the allocator's slack or library scratch space
-(RSS would include both, and the interpreter, and would not fall when memory is freed).
+`torch.cuda.max_memory_allocated` does on a GPU, not the allocator's slack or library scratch space.
 
 Results are a flat dict of floats, keyed like `small.mfu`; `reports/bench.json` holds them with the
 hardware string and class, torch version, thread count and the settings.
@@ -36,27 +35,25 @@ hardware string and class, torch version, thread count and the settings.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch.profiler import ProfilerActivity, profile
 
+from benchmarks import wire
 from lensemble import compute
 from lensemble.config import CemParams, DataParams, EvaluateParams, ModelParams, ObjectiveParams, Params, SiteParams, TrainParams
 from lensemble.data.episodes import Episodes
 from lensemble.data.windows import WindowSampler
 from lensemble.errors import ConfigError, LensembleError
-from lensemble.federation import bench_wire
-from lensemble.federation.bench_wire import best_seconds
 from lensemble.objectives.sigreg import random_directions, sigreg
 from lensemble.observability.hardware import hardware_class, hardware_string
+from lensemble.perf import MATMUL_SIZE, best_seconds, copy_bandwidth, matmul_peak_gflops, peak_tensor_bytes, torch_threads
 from lensemble.training import encode_frames, make_optimizer, train_steps
 from lensemble.workflow import build_model
 
@@ -80,7 +77,7 @@ STEP_SETTINGS = {"tiny": StepSetting("tiny", 64, 16, 4, 16, 4), "small": StepSet
 SMOKE_SETTINGS = {"tiny": StepSetting("tiny", 16, 8, 2, 1, 2), "small": StepSetting("small", 16, 8, 2, 1, 2)}
 LARGE = StepSetting("large", 224, 16, 4, 16, 16, "bf16")  # the GPU step of benchmarks/gpu_vitl.py
 
-MATMUL_SIZE, SMOKE_MATMUL_SIZE = 2048, 256
+SMOKE_MATMUL_SIZE = 256
 STEP_NAMES = ("mfu", "sigreg_fraction", "peak_memory_ratio")
 BENCHMARKS = (
     *(f"{cfg}.{b}" for cfg in STEP_SETTINGS for b in STEP_NAMES),
@@ -111,30 +108,6 @@ def select(names: list[str] | None) -> list[str]:
             raise ConfigError(f"bench: unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
         chosen += [b for b in hits if b not in chosen]
     return chosen
-
-
-# ------------------------------------------------------------------------------------------ limits
-
-
-@contextlib.contextmanager
-def torch_threads(n: int | None) -> Iterator[None]:
-    """torch's intra-op thread count set to `n` inside the block (unchanged when None)."""
-    before = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def matmul_peak_gflops(n: int = MATMUL_SIZE, repeats: int = 5) -> float:
-    """Best fp32 GFLOP/s of an n x n by n x n `torch.mm` at the current thread count."""
-    gen = torch.Generator().manual_seed(0)
-    a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
-    out = torch.empty(n, n)
-    torch.mm(a, b, out=out)  # warm up the BLAS
-    return 2 * n**3 / best_seconds(lambda: torch.mm(a, b, out=out), repeats) / 1e9
 
 
 # ------------------------------------------------------------------------------------ step fixture
@@ -184,14 +157,7 @@ def step_seconds(fx: StepFixture, steps: int) -> float:
 def peak_step_bytes(fx: StepFixture) -> int:
     """Peak tensor bytes over two training steps (see the module docstring), parameters included."""
     before = sum(p.numel() * p.element_size() for p in fx.model.parameters())
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fx.run(2)
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return before + peak
+    return before + peak_tensor_bytes(lambda: fx.run(2))
 
 
 def step_flops(fx: StepFixture) -> int:
@@ -273,17 +239,17 @@ def bench_large(count_flops: bool) -> dict[str, float]:
     return out
 
 
-def bench_wire_suite(wanted: set[str], smoke: bool) -> dict[str, float]:
-    """The wire-path benchmarks of `bench_wire`, at CI sizes when `smoke`."""
+def wire_benchmarks(wanted: set[str], smoke: bool) -> dict[str, float]:
+    """The wire-path benchmarks of `benchmarks.wire`, at CI sizes when `smoke`."""
     out: dict[str, float] = {}
     if "wire.keystream" in wanted:
-        r = bench_wire.bench_keystream(num_bytes=1 << 20, repeats=1) if smoke else bench_wire.bench_keystream()
+        r = wire.bench_keystream(num_bytes=1 << 20, repeats=1) if smoke else wire.bench_keystream()
         out |= {"wire.keystream_gbps": r["keystream_gbps"], "wire.mask_gbps": r["mask_gbps"]}
     if "wire.quant_mask" in wanted:
-        r = bench_wire.bench_quant_mask(numel=100_000, num_sites=3, repeats=1) if smoke else bench_wire.bench_quant_mask()
+        r = wire.bench_quant_mask(numel=100_000, num_sites=3, repeats=1) if smoke else wire.bench_quant_mask()
         out |= {f"wire.quant_mask_{k}": v for k, v in r.items()}
     if "wire.aggregate" in wanted:
-        r = bench_wire.bench_aggregate(num_sites=3, numel=100_000, copy_bytes=8 << 20) if smoke else bench_wire.bench_aggregate()
+        r = wire.bench_aggregate(num_sites=3, numel=100_000, copy_bytes=8 << 20) if smoke else wire.bench_aggregate()
         out |= {f"wire.aggregate_{k}": v for k, v in r.items()}
     return out
 
@@ -363,7 +329,7 @@ def _run(wanted: set[str], smoke: bool) -> dict[str, float]:
     results: dict[str, float] = {
         "peak.matmul_size": size,
         "peak.matmul_gflops_before": matmul_peak_gflops(size, peak_repeats),
-        "peak.copy_gbps": bench_wire.copy_bandwidth(8 << 20 if smoke else 256 << 20) / 1e9,
+        "peak.copy_gbps": copy_bandwidth(8 << 20 if smoke else 256 << 20) / 1e9,
     }
     for cfg, setting in settings.items():
         if any(w.startswith(cfg + ".") for w in wanted):
@@ -376,7 +342,7 @@ def _run(wanted: set[str], smoke: bool) -> dict[str, float]:
             results[f"{cfg}.mfu"] = results[f"{cfg}.achieved_gflops"] / peak
     if wanted & {"large.params", "large.memory_estimate_gib"}:
         results |= bench_large(count_flops=not smoke)
-    results |= bench_wire_suite(wanted, smoke)
+    results |= wire_benchmarks(wanted, smoke)
     return {k: float(v) for k, v in results.items()}
 
 

@@ -35,7 +35,7 @@ from lensemble.observability.hardware import hardware_class
 from lensemble.observability.manifest import build_manifest, git_state
 from lensemble.observability.metrics import MetricsSink
 from lensemble.paths import Layout
-from tasks.tracking import Tracker, tracking_uri
+from orchestration.tracking import Tracker, tracking_uri
 
 
 @dataclass
@@ -203,7 +203,7 @@ def stage_run(stage: str, root: Path | str = ".", params_path: str = "params.yam
         )
         manifest["artifacts"] = {str(Path(k).relative_to(ctx.out.staging)): v for k, v in manifest["artifacts"].items()}
         manifest_path = ctx.out.write_json(manifest_rel, manifest)
-        from tasks.datasets import log_site_datasets  # imports MLflow, which the opening thread has loaded
+        from orchestration.datasets import log_site_datasets  # imports MLflow, which the opening thread has loaded
 
         metrics = [(r["name"], r["value"], r["step"], r["timestamp"]) for r in ctx.sink.records]
         metrics += [(k, float(v), 0, time.time()) for k, v in ctx.measured.items()]

@@ -1,37 +1,28 @@
 """Wire-path micro-benchmarks: mask keystream, a site's quantize + mask, the aggregator's sum + outer step.
 
 Pure functions returning plain dicts of numbers; they write nothing. Everything runs on one core
-(`torch.set_num_threads(1)`, restored afterwards) so figures compare across machines. Full size:
+(`torch.set_num_threads(1)`, restored afterwards) so figures compare across machines. `lensemble
+bench wire` runs them in the suite; full size alone:
 
-    python -c "from lensemble.federation import bench_wire as b
-    print(b.bench_keystream(), b.bench_quant_mask(), b.bench_aggregate(), sep='\\n')"
+    python -c "from benchmarks import wire
+    print(wire.bench_keystream(), wire.bench_quant_mask(), wire.bench_aggregate(), sep='\\n')"
 """
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
 from lensemble.federation import native, secagg
-from lensemble.federation.outer import DEFAULT_CHUNK, _step_chunk, apply_outer_step
+from lensemble.federation.outer import DEFAULT_CHUNK, apply_outer_step, outer_step_chunk
 from lensemble.federation.quant import DEFAULT_BLOCK, quantize_int8
 from lensemble.federation.secure_transport import SecureInt8Transport
 from lensemble.federation.signing import generate_site_keys
 from lensemble.federation.transport import RoundContext
-
-
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+from lensemble.perf import best_seconds, copy_bandwidth, torch_threads
 
 
 @contextmanager
@@ -50,31 +41,13 @@ def native_disabled() -> Iterator[None]:
         native.load.cache_clear()
 
 
-def best_seconds(fn: Callable[[], object], repeats: int) -> float:
-    """Best wall time of `repeats` calls (the least disturbed by other processes on a shared machine)."""
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def copy_bandwidth(num_bytes: int = 256 << 20, repeats: int = 3) -> float:
-    """Memory bandwidth in bytes/s of one large tensor copy (bytes read + bytes written)."""
-    with _one_thread():
-        src = torch.ones(num_bytes // 4, dtype=torch.float32)
-        dst = torch.empty_like(src)
-        return 2 * num_bytes / best_seconds(lambda: dst.copy_(src), repeats)
-
-
 def bench_keystream(num_bytes: int = 256 << 20, repeats: int = 3, num_peers: int = 4) -> dict[str, float]:
     """ChaCha20 keystream throughput (GB/s), and that of whole masks (`site_mask`, Z_{2^16}).
 
     `mask_gbps` counts the keystream bytes of one site's mask with `num_peers` peers, each mask
     num_bytes / num_peers long: key agreement, HKDF, keystream and ring additions included.
     """
-    with _one_thread():
+    with torch_threads(1):
         zeros, out = bytes(num_bytes), bytearray(num_bytes)
         key = os.urandom(32)
         keystream_s = best_seconds(lambda: secagg.keystream_into(key, zeros, memoryview(out)), repeats)
@@ -93,7 +66,7 @@ def bench_quant_mask(
     numel: int = 10_000_000, num_sites: int = 8, block: int = DEFAULT_BLOCK, repeats: int = 2
 ) -> dict[str, float]:
     """Seconds for one site of a secure_int8 round: quantize its update, draw its C-1 pair masks, add."""
-    with _one_thread():
+    with torch_threads(1):
         x_N = torch.randn(numel, generator=torch.Generator().manual_seed(0))
         keys = {f"s{i}": X25519PrivateKey.generate() for i in range(num_sites)}
         public = {site: key.public_key().public_bytes_raw() for site, key in keys.items()}
@@ -125,7 +98,7 @@ def bench_aggregate(
     Floor = bytes that must move / copy bandwidth: read C masked payloads (2 C N bytes), read the
     params and momentum buffer (8 N) and write both back (8 N). `ratio` = total_s / floor.
     """
-    with _one_thread():
+    with torch_threads(1):
         spec = (("w", (numel,)),)
         sites = tuple(f"s{i}" for i in range(num_sites))
         ctx = RoundContext("bench", 0, sites, spec)
@@ -154,8 +127,8 @@ def bench_aggregate(
             scratch = torch.empty(DEFAULT_CHUNK)
             for a in range(0, numel, DEFAULT_CHUNK):
                 b = min(a + DEFAULT_CHUNK, numel)
-                _step_chunk(transport, ctx, accepted, a, params["w"][a:b], momentum["w"][a:b], scratch[: b - a],
-                            out[0]["w"][a:b], out[1]["w"][a:b], 0.7, 0.9)
+                outer_step_chunk(transport, ctx, accepted, a, params["w"][a:b], momentum["w"][a:b], scratch[: b - a],
+                                 out[0]["w"][a:b], out[1]["w"][a:b], 0.7, 0.9)
 
         with native_disabled():
             one_s = best_seconds(one_evaluation, repeats)
