@@ -1,7 +1,12 @@
 """Train one world model on pooled episodes (Stage A's loop) and read it: dynamics diagnostics, then
 closed-loop success against the oracle and random actions, per embodiment.
 
-    python benchmarks/world_model_check.py [params.yaml] [key=value ...] [--steps N] [--episodes E] [--cache DIR]
+    python benchmarks/world_model_check.py [params.yaml] [key=value ...] [--steps N] [--eval-episodes E] [--held-out K]
+        [--train-diagnostics] [--no-closed-loop] [--cache DIR]
+
+`--held-out K`: held-out episodes per embodiment for the diagnostics (default: the params' probe episodes);
+`--train-diagnostics`: also the rollout diagnostics on the first 8 training episodes (how much of the
+held-out gap is overfitting).
 
 Overrides are dotted params keys (e.g. data.image_size=48 objective.sigreg_on=centered_tokens).
 For searching defaults and measuring what PushT needs; the pipeline's evaluate stage reports the same
@@ -10,6 +15,7 @@ figures for the pipeline's models.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -20,7 +26,7 @@ import yaml
 
 from lensemble.config import parse_params
 from lensemble.data.episodes import generate_episodes, read_episodes, write_episodes
-from lensemble.dynamics import dynamics_report
+from lensemble.dynamics import dynamics_report, rollout_diagnostics
 from lensemble.evaluation import ORACLE, evaluate
 from lensemble.planning.cem import CEMConfig
 from lensemble.seeds import generator
@@ -57,6 +63,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--eval-episodes", type=int, default=8)
     ap.add_argument("--cache", default="/tmp/lensemble-wm-check")
     ap.add_argument("--no-closed-loop", action="store_true")
+    ap.add_argument("--held-out", type=int, default=None)
+    ap.add_argument("--train-diagnostics", action="store_true")
     args = ap.parse_args(argv)
     raw = yaml.safe_load(Path(args.params).read_text())
     for o in args.overrides:
@@ -67,7 +75,7 @@ def main(argv: list[str]) -> None:
     cache.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     train = {s.embodiment: episodes(p, s.embodiment, s.name, s.episodes, cache) for s in p.data.sites}
-    held = {e: episodes(p, e, f"probe/{e}", p.data.probe_episodes, cache) for e in train}
+    held = {e: episodes(p, e, f"probe/{e}", args.held_out or p.data.probe_episodes, cache) for e in train}
     print(f"data {time.perf_counter() - t0:.1f}s", flush=True)
     model = build_model(p, "centralized")
     steps = args.steps or p.centralized.steps
@@ -80,6 +88,11 @@ def main(argv: list[str]) -> None:
     c = p.evaluate.cem
     out = {}
     for emb in sorted(train):
+        if args.train_diagnostics:
+            first = dataclasses.replace(train[emb], frames_ELHWC=train[emb].frames_ELHWC[:8], actions_ELK=train[emb].actions_ELK[:8],
+                                        proprio_ELP=train[emb].proprio_ELP[:8])
+            seen = rollout_diagnostics(model, first, c.context, c.horizon, p.model.proprio_dim, p.run.seed)
+            print(emb, "train", json.dumps({k: (round(v, 3) if isinstance(v, float) else [round(x, 3) for x in v]) for k, v in seen.items()}))
         diag = dynamics_report(model, train[emb], held[emb], c.context, c.horizon, p.model.proprio_dim, p.run.seed)
         out[emb] = diag
         print(emb, json.dumps({k: (round(v, 3) if isinstance(v, float) else [round(x, 3) for x in v]) for k, v in diag.items()}), flush=True)
