@@ -3,7 +3,7 @@
     lensemble ablate --inner-steps 25,100 --anchor-weight 0,0.1 [--parallel 1]
 
 Needs the run's `prepare`, `residency` and `centralized` outputs. Each grid point is one mapped
-task run (`tasks.ablation.run_point`) in `ablation/<tag>/`; the flow writes `reports/ablation.json`
+task run (`tasks.ablation.run_point`; the grid and a point's folder: orchestration/ablation.py) in `ablation/<tag>/`; the flow writes `reports/ablation.json`
 and `reports/plots/ablation_drift.png` and `ablation_success.png`, and records its own MLflow
 stage run and RunManifest like every stage. It is not a DVC stage: it reruns federation several
 times, which a plain `dvc repro` should not pay for.
@@ -16,8 +16,9 @@ import yaml
 from prefect import flow, unmapped
 
 from lensemble.report import plot_ablation
+from orchestration.ablation import grid, point_params, require_inputs
 from orchestration.runner import stage_run
-from tasks.ablation import grid, point_params, require_inputs, run_point
+from tasks.ablation import run_point
 
 
 @flow(name="ablation")

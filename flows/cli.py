@@ -179,7 +179,7 @@ def ablate_command(root: Path, args: argparse.Namespace) -> None:
     import yaml
 
     from lensemble.config import load_params
-    from tasks.ablation import grid, point_params, require_inputs
+    from orchestration.ablation import grid, point_params, require_inputs
 
     raw = yaml.safe_load((root / "params.yaml").read_text()) if (root / "params.yaml").is_file() else None
     for point in grid(load_params(root / "params.yaml"), list(inner), list(anchors)):

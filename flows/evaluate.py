@@ -8,8 +8,9 @@ from prefect import flow
 from tqdm import tqdm
 
 from lensemble.workflow import site_names
+from orchestration.evaluation import REFERENCES, evaluated_models
 from orchestration.runner import stage_run
-from tasks.evaluate import REFERENCES, evaluate_site, evaluated_models
+from tasks.evaluate import evaluate_site
 
 
 def by_embodiment(results: dict, agents: tuple[str, ...]) -> dict:

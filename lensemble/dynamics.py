@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from lensemble.config import Params
 from lensemble.data.episodes import Episodes
 from lensemble.data.windows import frames_to_tensor, proprio_features
 from lensemble.model.predictor import rollout
@@ -133,3 +134,17 @@ def dynamics_report(model: WorldModel, train: Episodes, held_out: Episodes, cont
     z_ELND = encode_episodes(model, held_out.frames_ELHWC)
     diag = rollout_diagnostics(model, held_out, context, horizon, proprio_width, seed, z_ELND)
     return {**diag, "probe_r2": probe_r2(model, train, held_out, held_out_z=z_ELND)}
+
+
+ROUND_DYNAMICS = ("eval/rollout_vs_copy", "eval/rollout_vs_copy_last", "eval/rollout_vs_copy_proprio", "eval/action_sensitivity",
+                  "eval/action_sensitivity_proprio", "eval/probe_r2")
+
+
+def round_dynamics(params: Params, model, train_eps, held_out) -> dict[str, float]:
+    """The dynamics diagnostics as scalar metrics (the site releases only these): 1-step and H-step rollout
+    error over copying, action sensitivity and probe R²."""
+    c = params.evaluate.cem
+    d = dynamics_report(model, train_eps, held_out, c.context, c.horizon, params.model.proprio_dim, params.run.seed)
+    values = (d["rollout_vs_copy"][0], d["rollout_vs_copy"][-1], d["rollout_vs_copy_proprio"][0], d["action_sensitivity"],
+              d["action_sensitivity_proprio"], d["probe_r2"])
+    return dict(zip(ROUND_DYNAMICS, values))

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from lensemble.config import Params
+
 
 def procrustes(a_ND: torch.Tensor, b_ND: torch.Tensor) -> tuple[torch.Tensor, float]:
     """R = argmin_{RᵀR=I} ‖a R − b‖_F (float64) and the relative residual ‖a R − b‖_F / ‖b‖_F."""
@@ -128,3 +130,8 @@ def pool_tokens(z_PND: torch.Tensor) -> torch.Tensor:
     """Per-frame embedding for the diagnostics: the mean over tokens, [P, D]."""
     return z_PND.mean(1)
 
+
+def pooled_checkpoints(params: Params) -> list[int]:
+    """Stage A steps at which the pooled model is read against federated round r = 1..R: the same fraction of training."""
+    R, S = params.federate.rounds, params.centralized.steps
+    return [max(1, round(S * r / R)) for r in range(1, R + 1)]

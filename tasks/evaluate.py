@@ -1,53 +1,15 @@
 """Prefect tasks of the gauge and evaluate stages."""
 from __future__ import annotations
 
-from pathlib import Path
-
-import torch
 from prefect import task
 from prefect.cache_policies import NONE
 
 from lensemble.config import Params
-from lensemble.errors import DataError
-from lensemble.dynamics import dynamics_report
-from lensemble.evaluation import ORACLE, evaluate
 from lensemble.gauge import drift, effective_dim, pool_tokens
-from lensemble.model.world_model import WorldModel, load_federated
 from lensemble.paths import Layout
-from lensemble.planning.cem import CEMConfig
-from lensemble.seeds import generator
-from lensemble.sim.registry import make_embodiment
 from lensemble.training import encode_frames
-from lensemble.workflow import build_model, eval_seeds, load_probe_episodes, load_site, probe_frames, site_embodiment, site_names
-
-
-def _require(path: Path, what: str) -> Path:
-    if not path.is_file():
-        raise DataError(f"{what} {path} does not exist: run its stage first (dvc repro)")
-    return path
-
-
-def load_centralized(params: Params, layout: Layout) -> WorldModel:
-    """The Stage A model."""
-    model = build_model(params, "centralized")
-    model.load_state_dict(torch.load(_require(layout.models / "centralized.pt", "Stage A model"), weights_only=True))
-    return model.eval()
-
-
-def load_federated_for_site(params: Params, layout: Layout, site: str) -> WorldModel:
-    """The Stage B global encoder + predictor with `site`'s own local action head."""
-    model = build_model(params, f"site/{site}")
-    saved = torch.load(_require(layout.site_state(site), f"site {site!r} state"), weights_only=True)
-    model.load_state_dict(saved["model"])
-    load_federated(model, torch.load(_require(layout.models / "federated.pt", "Stage B model"), weights_only=True))
-    return model.eval()
-
-
-def load_local_only(params: Params, layout: Layout, site: str) -> WorldModel:
-    """The site's no-federation baseline."""
-    model = build_model(params, f"local/{site}")
-    model.load_state_dict(torch.load(_require(layout.models / "local" / f"{site}.pt", f"site {site!r} local-only model"), weights_only=True))
-    return model.eval()
+from lensemble.workflow import probe_frames, site_names
+from orchestration.evaluation import REFERENCES, evaluate_models, evaluated_models, load_centralized, load_federated_for_site
 
 
 @task(name="gauge-final", cache_policy=NONE)
@@ -65,47 +27,7 @@ def gauge_final(params: Params, layout: Layout) -> dict:
     }
 
 
-MODEL_LOADERS = {
-    "centralized": lambda params, layout, site: load_centralized(params, layout),
-    "federated": load_federated_for_site,
-    "local_only": load_local_only,
-    "oracle": lambda params, layout, site: ORACLE,
-    "random": lambda params, layout, site: None,
-}
-REFERENCES = ("oracle", "random")  # the protocol's ceiling and floor, read beside every model
-
-
-def evaluate_models(params: Params, layout: Layout, site: str, names: tuple[str, ...]) -> dict:
-    """Closed-loop success of the named agents (keys of MODEL_LOADERS) on `site`'s embodiment, same seeds, starts
-    and goals for all; and the dynamics diagnostics of every world model among them."""
-    torch.set_num_threads(params.run.torch_threads)
-    embodiment = site_embodiment(params, site)
-    models = {name: MODEL_LOADERS[name](params, layout, site) for name in names}  # DataError before any episode
-    train_eps, held_out = load_site(layout, params, site), load_probe_episodes(layout, params, embodiment)
-    c = params.evaluate.cem
-    diagnostics = {name: dynamics_report(m, train_eps, held_out, c.context, c.horizon, params.model.proprio_dim, params.run.seed)
-                   for name, m in models.items() if isinstance(m, WorldModel)}
-    env = make_embodiment(embodiment, params.data.image_size)
-    env.set_success_criterion(params.evaluate.success.get(embodiment, env.criterion))
-    cfg = CEMConfig(c.samples, c.elites, c.iterations, c.horizon)
-    seeds = eval_seeds(params, embodiment)
-    out = {}
-    try:
-        for name, model in models.items():
-            gen = generator(params.run.seed, f"cem/{name}", participant=site)
-            out[name] = evaluate(env, seeds, params.evaluate.max_steps, model, cfg, gen, c.execute_steps, c.context, params.model.proprio_dim)
-    finally:
-        env.close()
-    return {"embodiment": embodiment, "success_criterion": f"{env.criterion}: {env.success_criteria[env.criterion]}",
-            "max_steps": params.evaluate.max_steps, "diagnostics": diagnostics, **out}
-
-
 @task(name="evaluate-site", cache_policy=NONE)
 def evaluate_site(params: Params, layout: Layout, site: str) -> dict:
     """Closed-loop success of Stage A, Stage B, the local-only baseline (if trained), the oracle and random actions on one site's embodiment."""
     return evaluate_models(params, layout, site, evaluated_models(params) + REFERENCES)
-
-
-def evaluated_models(params: Params) -> tuple[str, ...]:
-    """The world models the evaluate stage compares: the local-only baseline only when federate trained it."""
-    return ("centralized", "federated", "local_only") if params.federate.local_only else ("centralized", "federated")

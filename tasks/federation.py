@@ -46,7 +46,7 @@ def record_round(ctx, fed, outcome) -> dict:
     `ctx`: the stage's StageContext; `fed`: the run's orchestration.federation.Federation; `outcome`: its RoundOutcome.
     """
     from orchestration.federation import publish_round, round_budgets, round_record
-    from tasks.train import ROUND_DYNAMICS
+    from lensemble.dynamics import ROUND_DYNAMICS
 
     r, res = outcome.round_idx, outcome.result
     for s in res.members:

@@ -11,9 +11,9 @@ from prefect.cache_policies import NONE
 from lensemble.config import Params
 from lensemble.data.audit import load_index
 from lensemble.data.residency import ResidencyGuard
-from lensemble.dynamics import dynamics_report
+from lensemble.dynamics import round_dynamics
 from lensemble.federation.transport import param_spec
-from lensemble.gauge import drift, effective_dim, pool_tokens
+from lensemble.gauge import drift, effective_dim, pool_tokens, pooled_checkpoints
 from lensemble.model.world_model import federated_state, load_federated, local_state
 from lensemble.paths import Layout
 from lensemble.perf import component_latency
@@ -51,12 +51,6 @@ def train_centralized(params: Params, layout: Layout, model_path: Path) -> dict:
     latency = component_latency(model, params, seconds / params.centralized.steps)
     return {"losses": {"pred": log.pred, "proprio": log.proprio, "sigreg": log.sigreg}, "mean": log.mean(), "seconds": seconds,
             "steps": params.centralized.steps, "latency": latency, "effective_dim_curve": curve}
-
-
-def pooled_checkpoints(params: Params) -> list[int]:
-    """Stage A steps at which the pooled model is read against federated round r = 1..R: the same fraction of training."""
-    R, S = params.federate.rounds, params.centralized.steps
-    return [max(1, round(S * r / R)) for r in range(1, R + 1)]
 
 
 @task(name="train-local-only", cache_policy=NONE)
@@ -116,20 +110,6 @@ def site_train(params: Params, layout: Layout, site: str, round_idx: int, global
                **{f"gauge/{k}": v for k, v in gauge.items()}, **dyn, "dynamics_seconds": dyn_seconds}
     guard.release("metrics", metrics)
     return {"metrics": metrics, "probe_embedding": guard.release("public_probe_embedding", site_probe), "task_seconds": time.perf_counter() - t_task}
-
-
-ROUND_DYNAMICS = ("eval/rollout_vs_copy", "eval/rollout_vs_copy_last", "eval/rollout_vs_copy_proprio", "eval/action_sensitivity",
-                  "eval/action_sensitivity_proprio", "eval/probe_r2")
-
-
-def round_dynamics(params: Params, model, train_eps, held_out) -> dict[str, float]:
-    """The dynamics diagnostics as scalar metrics (the site releases only these): 1-step and H-step rollout
-    error over copying, action sensitivity and probe R²."""
-    c = params.evaluate.cem
-    d = dynamics_report(model, train_eps, held_out, c.context, c.horizon, params.model.proprio_dim, params.run.seed)
-    values = (d["rollout_vs_copy"][0], d["rollout_vs_copy"][-1], d["rollout_vs_copy_proprio"][0], d["action_sensitivity"],
-              d["action_sensitivity_proprio"], d["probe_r2"])
-    return dict(zip(ROUND_DYNAMICS, values))
 
 
 @task(name="site-adapt-head", cache_policy=NONE)

@@ -7,7 +7,7 @@ import pytest
 
 from lensemble.config import parse_params
 from lensemble.errors import ConfigError
-from tasks.ablation import grid
+from orchestration.ablation import grid
 from tests.conftest import micro_params
 
 pytestmark = pytest.mark.e2e
