@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import typing
 import zoneinfo
 from pathlib import Path
 from typing import Any, Literal
@@ -19,10 +20,29 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from lensemble.errors import ConfigError
 
 
+def _numeric_field(annotation: Any) -> bool:
+    """Whether a field's type admits int or float but not bool (YAML `true` must not pass as 1)."""
+    args = typing.get_args(annotation)
+    kinds = set(args) if args else {annotation}
+    return bool(kinds & {int, float}) and bool not in kinds
+
+
 class Section(BaseModel):
-    """Base: unknown keys are errors, values are validated on assignment too."""
+    """Base: unknown keys are errors, values are validated on assignment too, and a bool is never a number."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, raw: Any) -> Any:
+        if isinstance(raw, dict):
+            for name, field in cls.model_fields.items():
+                value = raw.get(name)
+                if isinstance(value, bool) and _numeric_field(field.annotation):
+                    raise ValueError(f"{name} must be a number, got {str(value).lower()} (a boolean)")
+                if field.annotation is bool and name in raw and not isinstance(value, bool):
+                    raise ValueError(f"{name} must be true or false, got {value!r}")
+        return raw
 
 
 class RunParams(Section):
@@ -37,6 +57,8 @@ class SiteParams(Section):
     episodes: int = Field(..., ge=1, le=100_000, description="Episodes generated at this site.")
     work_pool: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
                                   description="Prefect work pool the site's training runs on in sovereign mode; None: lensemble-<name>.")
+    key_fingerprint: str | None = Field(None, pattern=r"^[0-9a-f]{64}$",
+                                        description="SHA-256 (hex) of the site's raw Ed25519 public key, as `lensemble site keygen SITE` prints it: the key is pinned out of band (INV-PINNED-KEYS). Required for every site in sovereign mode; local runs draw their keys in-process.")
 
     @property
     def pool(self) -> str:
@@ -136,6 +158,15 @@ class FederateParams(Section):
     execution: Literal["local", "sovereign"] = Field("local", description="local: site tasks run in the coordinator's task runner; sovereign: each site's round runs as a deployment on its own work pool, and updates come back through the exchange.")
     site_launch: Literal["deployment", "task"] = Field("deployment", description="Sovereign mode: run each site's round as a deployment on the site's work pool, or (one-machine trial) as a task of the coordinator.")
     exchange: str = Field("exchange", description="Sovereign mode: where sites and coordinator swap round messages; a folder (relative to the project root) or any fsspec URL.")
+    update_clip_norm: float | None = Field(None, gt=0.0, description="Per-site L2 clipping of Δ_c over all federated tensors before quantization (bounded influence); None: no clipping. dp.enabled clips at dp.clip_norm instead.")
+    announce_outlier_factor: float = Field(4.0, ge=1.0, le=1e6, description="secure_int8 grid agreement: each site's announced block absmax is capped at this factor times the second-largest announcement of the block, so one site cannot coarsen everyone's grid (INV-BOUNDED-INFLUENCE).")
+
+
+class DPParams(Section):
+    enabled: bool = Field(False, description="Site-level differential privacy of the federated update: per-site L2 clipping at clip_norm and distributed Gaussian noise before quantization (lensemble/federation/dp.py).")
+    clip_norm: float = Field(1.0, gt=0.0, description="S: L2 bound of each site's Δ_c over all federated tensors.")
+    noise_multiplier: float = Field(1.0, gt=0.0, le=1e4, description="z: the aggregate's Gaussian noise std is z · S · max_c w_c.")
+    delta: float = Field(1e-5, gt=0.0, lt=1.0, description="δ of the reported (ε, δ) guarantee.")
 
 
 class GaugeParams(Section):
@@ -243,6 +274,7 @@ class Params(Section):
     train: TrainParams = Field(default_factory=TrainParams)
     centralized: CentralizedParams = Field(default_factory=CentralizedParams)
     federate: FederateParams = Field(default_factory=FederateParams)
+    dp: DPParams = Field(default_factory=DPParams)
     gauge: GaugeParams = Field(default_factory=GaugeParams)
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
     serve: ServeParams = Field(default_factory=ServeParams)
@@ -256,6 +288,13 @@ class Params(Section):
             raise ValueError(
                 f"model.patch_size ({self.model.patch_size}) must divide data.image_size ({self.data.image_size})"
             )
+        if self.model.predictor_width % self.model.predictor_heads:
+            raise ValueError(f"model.predictor_heads ({self.model.predictor_heads}) must divide model.predictor_width ({self.model.predictor_width})")
+        if self.federate.execution == "sovereign":
+            unpinned = [s.name for s in self.data.sites if s.key_fingerprint is None]
+            if unpinned:
+                raise ValueError(f"data.sites: {unpinned[0]} has no key_fingerprint; sovereign sites' signing keys are pinned out of band "
+                                 f"(run `lensemble site keygen {unpinned[0]}` at the site and put the fingerprint it prints in params)")
         cem = self.evaluate.cem
         if cem.context + cem.horizon > self.data.num_steps:
             raise ValueError(f"evaluate.cem.context ({cem.context}) + evaluate.cem.horizon ({cem.horizon}) exceeds data.num_steps "
