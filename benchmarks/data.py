@@ -14,9 +14,14 @@ prints each figure beside its target and, where one applies, its physical limit:
   index, plus one public probe per embodiment, as the prepare stage does.
 - guard: one federated inner round (`train_steps` with params.yaml's model, objective and
   `federate.inner_steps`) against what the guard adds per site and round: loading the stored
-  private index, adding the action head, and releasing the update, the metrics, the probe embedding
-  and a payload. The payload is PlainFP32 (4 bytes/param): an upper bound on what secure_int8
-  (2 bytes/param) makes the guard scan.
+  private index, adding the action head, and releasing every message the site sends in a round, as
+  `tasks.train.site_train` and the exchange protocol do: the update, the metrics, the probe
+  embedding, the task-seconds metric, and the transport's key share, announcement and update
+  payload (params' `federate.transport`, one codec playing both parties). Separately: the
+  coordinator's leak scan of one round's exchange tree (global parameters, the site's train.pt and
+  its messages) against the site's index (`tasks.residency.check_exchange_tree`, per site and round).
+
+    python -m benchmarks.data --guard-only    # the guard figure alone (one inner round at params.yaml)
 """
 from __future__ import annotations
 
@@ -108,7 +113,10 @@ def bench_generation(sites: Sequence[tuple[str, str]] = DEFAULT_SITES, episodes:
 def bench_guard(params_path: Path | str = "params.yaml", repeats: int = 3) -> dict[str, float]:
     """One inner round at params.yaml vs the guard's added work for one site in that round."""
     from lensemble.config import load_params
-    from lensemble.federation.transport import PlainFP32, RoundContext, param_spec
+    from lensemble.data.audit import scan_blobs
+    from lensemble.federation.exchange import pack_tensors
+    from lensemble.federation.transport import RoundContext, param_spec
+    from lensemble.federation.transports import make_transport
     from lensemble.gauge import drift, pool_tokens
     from lensemble.model.world_model import federated_state, local_state
     from lensemble.training import encode_frames, make_optimizer, train_steps
@@ -137,7 +145,15 @@ def bench_guard(params_path: Path | str = "params.yaml", repeats: int = 3) -> di
     site_probe = pool_tokens(encode_frames(model, probe))
     metrics = {**log.mean(), "train_seconds": round_s, "steps": p.federate.inner_steps,
                **{f"gauge/{k}": v for k, v in drift(site_probe, pool_tokens(global_probe)).items()}}
-    payload = PlainFP32().encode(RoundContext("bench", 0, (site.name,), spec), site.name, delta)
+    peer = "bench_peer"
+    codec = make_transport(p.federate.transport, p.federate.quant_block)  # one object plays both sites
+    ctx = RoundContext("bench", 0, tuple(sorted((site.name, peer))), spec)
+    codec.begin_round(ctx)
+    key_share = codec.key_share(ctx, site.name)
+    anns = {s: codec.announce(ctx, s, {n: (1.0 if s == site.name else -0.5) * t for n, t in delta.items()}) for s in ctx.site_ids}
+    codec.agree(ctx, anns)
+    payload = codec.encode(ctx, site.name, delta)
+    messages = [key_share, anns[site.name], payload]
     with tempfile.TemporaryDirectory() as tmp:
         store = Path(tmp) / "episodes.parquet"
         t0 = time.perf_counter()
@@ -146,13 +162,23 @@ def bench_guard(params_path: Path | str = "params.yaml", repeats: int = 3) -> di
 
         def guarded_round() -> None:
             index = PrivateIndex.load(index_path(store)).with_tensors(local_state(model))
-            guard = ResidencyGuard(site.name, spec, Path(tmp) / "audit.jsonl", probe_rows=site_probe.shape[0], private=index)
+            guard = ResidencyGuard(site.name, spec, Path(tmp) / "audit.jsonl", probe_rows=site_probe.shape[0], private=index,
+                                   probe_dim=model.latent_dim)
             guard.release("update", delta)
-            guard.release("metrics", metrics)
-            guard.release("public_probe_embedding", site_probe)
-            guard.release("payload", payload)
+            released = guard.release("metrics", metrics)
+            embedding = guard.release("public_probe_embedding", site_probe)
+            guard.release("metrics", {"task_seconds": round_s})
+            for blob in messages:  # payloads go through the site's payload guard (a fresh one per message in local mode)
+                guard.release("payload", blob, expected_size=len(blob))
+            tree.update({"global.pt": pack_tensors({"state": global_state, "global_probe": global_probe}),
+                         "train.pt": pack_tensors({"metrics": released, "probe_embedding": embedding, "task_seconds": round_s})})
 
+        tree: dict[str, bytes] = {}
         guard_s = best_seconds(guarded_round, repeats)
+        tree.update({"a0/site.key": key_share, "a0/site.ann": anns[site.name], "a0/site.upd": payload})
+        indexes = {site.name: PrivateIndex.load(index_path(store))}
+        tree_scan_s = best_seconds(lambda: scan_blobs(tree.items(), indexes), repeats)
+        assert not scan_blobs(tree.items(), indexes)
         update_s = best_seconds(lambda: ResidencyGuard(site.name, spec, None, private=PrivateIndex.load(index_path(store))).release("update", delta), repeats)
         unscanned_s = best_seconds(lambda: ResidencyGuard(site.name, spec, None).release("update", delta), repeats)
     numel = sum(t.numel() for t in delta.values())
@@ -164,6 +190,9 @@ def bench_guard(params_path: Path | str = "params.yaml", repeats: int = 3) -> di
         "payload_bytes": float(len(payload)),
         "guard_s": guard_s,
         "guard_fraction_of_round": guard_s / round_s,
+        "exchange_tree_bytes": float(sum(len(b) for b in tree.values())),
+        "exchange_tree_scan_s": tree_scan_s,
+        "exchange_tree_scan_fraction_of_round": tree_scan_s / round_s,
         "update_release_s": update_s,
         "update_release_without_index_s": unscanned_s,
         "scan_mbps": (4 * numel + len(payload)) / max(guard_s, 1e-9) / 1e6,
@@ -176,7 +205,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small counts: a smoke run in seconds")
     ap.add_argument("--params", default="params.yaml", help="params for the guard's round (default params.yaml)")
+    ap.add_argument("--guard-only", action="store_true", help="only the guard's cost against one inner round")
     args = ap.parse_args(argv)
+    if args.guard_only:
+        return {"guard": _print_guard(bench_guard(args.params))}
     episodes, batches = (4, 5) if args.quick else (48, 40)
     loader = bench_loader(episodes=episodes, batches=batches)
     print(f"loader     {loader['windows_per_s']:9.0f} windows/s  (target >= 2000; 64x64, 4 frames, batch 64; {loader['batch_ms']:.1f} ms/batch)")
@@ -186,13 +218,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
     for site, emb in DEFAULT_SITES:
         print(f"           {site} {emb:15s} simulate {gen[f'{site}.simulate_s']:5.1f} s ({gen[f'{site}.ms_per_step']:.2f} ms/step), "
               f"store {gen[f'{site}.store_s']:4.2f} s, index {gen[f'{site}.index_s']:4.2f} s")
-    guard = bench_guard(args.params)
+    guard = _print_guard(bench_guard(args.params))
+    return {"loader": loader, "generation": gen, "guard": guard}
+
+
+def _print_guard(guard: dict[str, float]) -> dict[str, float]:
     print(f"guard      {1e3 * guard['guard_s']:9.1f} ms per site and round = {100 * guard['guard_fraction_of_round']:.2f}% of a "
           f"{guard['round_s']:.1f} s round (target <= 1%; {guard['inner_steps']:.0f} inner steps, {guard['federated_params']:.0f} params, "
           f"{guard['image_size']:.0f}px)")
     print(f"           update alone {1e3 * guard['update_release_s']:.1f} ms with the index, {1e3 * guard['update_release_without_index_s']:.1f} ms "
           f"without; index build at prepare {guard['index_build_s_at_prepare']:.2f} s ({guard['index_keys']:.0f} keys)")
-    return {"loader": loader, "generation": gen, "guard": guard}
+    print(f"           exchange-tree leak scan {1e3 * guard['exchange_tree_scan_s']:.1f} ms per site and round "
+          f"({guard['exchange_tree_bytes'] / 1e6:.2f} MB) = {100 * guard['exchange_tree_scan_fraction_of_round']:.2f}% of the round")
+    return guard
 
 
 if __name__ == "__main__":

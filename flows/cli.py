@@ -5,6 +5,7 @@
     lensemble check-params     validate params.yaml and print its hash
     lensemble server url|stop  the project's Prefect server (started by the first stage that runs)
     lensemble serve            the pipeline and scheduled federation rounds as deployments on that server
+    lensemble site keygen SITE create the site's signing key at the site; print the fingerprint params pin
     lensemble site deploy SITE enrol a sovereign site and register its round deployment on its work pool
     lensemble budgets compare  measured budget values by hardware class and stage, from MLflow
     lensemble ablate           the (H, anchor weight) grid as a Prefect map: drift, success vs bytes
@@ -129,8 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("action", choices=("url", "stop"))
     sub.add_parser("serve", help="serve the pipeline and the scheduled federation-rounds deployments (until Ctrl-C)")
     site = sub.add_parser("site", help="sovereign sites")
-    site.add_argument("action", choices=("deploy",))
+    site.add_argument("action", choices=("keygen", "deploy"))
     site.add_argument("name", help="the site's name in params.yaml")
+    site.add_argument("--force", action="store_true", help="keygen: replace an existing key (its old pin stops matching)")
     return parser
 
 
@@ -206,9 +208,27 @@ def serve_command(root: Path, args: argparse.Namespace) -> None:
     serve_forever(root, p)
 
 
+def keygen_command(root: Path, site: str, force: bool) -> None:
+    """`lensemble site keygen SITE`: the site's Ed25519 key (kept if it exists), its fingerprint and the params line."""
+    from lensemble.paths import Layout
+    from orchestration.site_agent import key_path, keygen
+
+    layout = Layout(root)
+    fingerprint, created = keygen(layout, site, force)
+    state = "created" if created else "kept the existing"
+    print(f"site {site}: {state} Ed25519 signing key {key_path(layout, site)} (mode 0600; it never leaves the site)")
+    print(f"fingerprint: {fingerprint}")
+    print(f"pin it in the federation's params.yaml, data.sites entry `name: {site}`:")
+    print(f"    key_fingerprint: {fingerprint}")
+
+
 def site_command(root: Path, args: argparse.Namespace) -> None:
-    """`lensemble site deploy SITE`."""
+    """`lensemble site keygen|deploy SITE`."""
     from lensemble.config import load_params
+
+    if args.action == "keygen":  # no params needed: the key exists before its pin does
+        keygen_command(root, args.name, args.force)
+        return
 
     load_params(root / "params.yaml")
     ensure_server(prefect_home())

@@ -6,7 +6,9 @@ survivors when a site fails or sends an update that does not verify, then the ga
 task (metrics, Prefect artifacts) and the checkpoint commit, so a crash loses at most the round in
 flight. Sites run as local tasks (threads or Dask) or, with `federate.execution: sovereign`, at the
 sites behind the exchange (orchestration/sites.py). After the last round: the sites' head re-fit
-and the local-only baselines, then reports/federate.json.
+and the local-only baselines, then reports/federate.json; once the stage is committed, a leak scan of
+reports/, the MLflow store and the exchange area against every site's private index
+(`tasks.residency.check_outputs`).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from orchestration.federation import baselines, commit_round, federation_round, 
 from orchestration.runner import stage_run
 from tasks.federation import record_round
 from tasks.preflight import preflight
+from tasks.residency import check_outputs
 
 
 def task_runner_for(p):
@@ -65,3 +68,4 @@ def federate_flow(root: str = ".") -> None:
         fed.pool.finish()
         ctx.out.write_json("reports/federate.json", summary)
         remove_checkpoint(fed)
+    check_outputs(ctx.params, ctx.layout)  # INV-RESIDENCY: what the stage committed (reports/, MLflow) holds no private rows

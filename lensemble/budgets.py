@@ -1,14 +1,15 @@
 """Budgets as data (DESIGN.md §8): bands per hardware class, evaluated on every run.
 
 `budgets.yaml` holds a list of entries: name, metric, low, high, unit, stage, hardware_class,
-response (revise | investigate | error), planning (true until measured on that class). A measured
-value is `within`, `below` or `above` its band; a budget with no measurement is `not_measured`; a
-hardware class with no band for a budget is `no_band` - never a silent pass.
+response (revise | investigate | error), planning (true until measured on that class), and optionally
+only_if (a boolean params key such as `dp.enabled`: the budget exists only for runs that turn it on).
+A measured value is `within`, `below` or `above` its band; a budget with no measurement is
+`not_measured`; a hardware class with no band for a budget is `no_band` - never a silent pass.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -29,6 +30,8 @@ class Budget(BaseModel):
     hardware_class: str
     response: Literal["revise", "investigate", "error"]
     planning: bool = Field(False, description="A planning band, not yet measured on this class.")
+    only_if: str | None = Field(None, description="A boolean params key (section.field, e.g. dp.enabled); "
+                                                  "the budget applies only to runs where it is true.")
 
     @model_validator(mode="after")
     def _check(self) -> "Budget":
@@ -36,7 +39,27 @@ class Budget(BaseModel):
             raise ValueError(f"low ({self.low}) > high ({self.high})")
         if not CANONICAL.match(self.metric):
             raise ValueError(f"unknown metric name {self.metric!r}")
+        if self.only_if is not None and not _bool_param(self.only_if):
+            raise ValueError(f"only_if {self.only_if!r} is not a boolean params key (section.field)")
         return self
+
+
+def _bool_param(key: str) -> bool:
+    """Whether `key` names a boolean field of a params section."""
+    from lensemble.config import Params
+
+    section, _, name = key.partition(".")
+    model = Params.model_fields.get(section)
+    fields = getattr(model.annotation, "model_fields", {}) if model is not None else {}
+    return name in fields and fields[name].annotation is bool
+
+
+def applies(budget: Budget, params: Any | None) -> bool:
+    """Whether `budget` applies to a run of `params` (None: unknown, so it does and is never skipped)."""
+    if budget.only_if is None or params is None:
+        return True
+    section, _, name = budget.only_if.partition(".")
+    return bool(getattr(getattr(params, section), name))
 
 
 def load_budgets(path: Path) -> list[Budget]:
@@ -59,9 +82,11 @@ def load_budgets(path: Path) -> list[Budget]:
     return out
 
 
-def evaluate_budgets(budgets: list[Budget], stage: str, hw_class: str, measured: dict[str, float]) -> list[dict]:
-    """Status of every budget of `stage`: one row per budget name, for this hardware class."""
+def evaluate_budgets(budgets: list[Budget], stage: str, hw_class: str, measured: dict[str, float],
+                     params: Any | None = None) -> list[dict]:
+    """Status of every budget of `stage` that applies to a run of `params`: one row per budget name, for this hardware class."""
     rows = []
+    budgets = [b for b in budgets if applies(b, params)]
     names = sorted({b.name for b in budgets if b.stage == stage})
     for name in names:
         band = next((b for b in budgets if b.name == name and b.stage == stage and b.hardware_class == hw_class), None)

@@ -80,6 +80,18 @@ def dynamics_lines(f: dict, e: dict) -> list[str]:
     return lines
 
 
+def privacy_lines(federate: dict) -> list[str]:
+    """One line on the run's update clipping and differential privacy (none when the run used neither)."""
+    d = federate.get("dp")
+    if not d:
+        return []
+    clipped = "—" if d["clip_fraction_mean"] is None else f"{d['clip_fraction_mean']:.0%}"
+    if not d["enabled"]:
+        return [f"- update clipping at L2 {d['clip_norm']:g} without noise (no DP guarantee); {clipped} of site updates clipped"]
+    return [f"- differential privacy: ε = {d['epsilon']:.3g} at δ = {d['delta']:g} after {d['rounds']} rounds (RDP accountant; "
+            f"noise multiplier z = {d['noise_multiplier']:g}, clip norm S = {d['clip_norm']:g}); {clipped} of site updates clipped"]
+
+
 def render_markdown(figures: dict, budgets: list[dict], hw_class: str, hardware: str) -> str:
     """The report text."""
     c, f, g, e = figures["centralized"], figures["federate"], figures["gauge"], figures["eval"]
@@ -94,7 +106,8 @@ def render_markdown(figures: dict, budgets: list[dict], hw_class: str, hardware:
         f"- federated parameters {f['federated_params']:,}; on-wire {f['comm_bytes_total']:,} bytes ({f['bytes_per_param']:.3f} bytes/param/round/site)",
         f"- a step-synchronous data-parallel run would move {f['step_synchronous_bytes']:,} bytes "
         f"({f['step_synchronous_bytes'] / max(f['comm_bytes_total'], 1):.0f}× more)",
-        f"- mean round {f['round_seconds_mean']:.2f} s; final global params sha256 `{f['global_params_sha256'][:16]}…`", "",
+        f"- mean round {f['round_seconds_mean']:.2f} s; final global params sha256 `{f['global_params_sha256'][:16]}…`",
+        *privacy_lines(f), "",
         "## Gauge", "",
         f"- final drift (mean over sites): {g['per_round'][-1]['drift_angle_deg_mean']:.2f}°; residual {g['per_round'][-1]['procrustes_residual_mean']:.3f}",
         f"- Stage B vs Stage A frame: {g['final']['federated_vs_centralized']['drift_angle_deg']:.1f}°, residual {g['final']['federated_vs_centralized']['procrustes_residual']:.3f}",

@@ -19,8 +19,10 @@ from prefect import unmapped
 
 from lensemble.budgets import evaluate_budgets, load_budgets
 from lensemble.errors import ParticipantDropped
+from lensemble.federation.dp import round_privacy, run_privacy
 from lensemble.federation.checkpoint import (
-    FederationCheckpoint, capture_rng, commit_site_state, load_checkpoint, prune_site_states, restore_rng, restore_sites, save_checkpoint,
+    FederationCheckpoint, capture_rng, commit_site_state, coordinator_key_path, load_checkpoint, prune_site_states, restore_rng,
+    restore_sites, save_checkpoint,
 )
 from lensemble.federation.outer import state_hash
 from lensemble.federation.rounds import RoundResult, run_round
@@ -57,6 +59,11 @@ class Federation:
     @property
     def ckpt_path(self) -> Path:
         return self.ckpt_root / "federate" / f"{self.run_id}.ckpt"
+
+    @property
+    def ckpt_key(self) -> Path:
+        """The coordinator's HMAC key its checkpoints are MACed under (created on the first commit)."""
+        return coordinator_key_path(self.layout.root)
 
 
 @dataclass
@@ -97,12 +104,13 @@ def open_federation(ctx) -> Federation:
     delta_paths = {s: ctx.out.path(f"models/sites/{s}.delta.pt") for s in sites}
     pool = make_sites(p, ctx.layout, spec, run_id, state_paths, delta_paths, exchange)
     return Federation(p, ctx.layout, model, sites, spec, spec_numel(spec), probe_frames(ctx.layout, p),
-                      aggregator_codec(p.federate.transport, p.federate.quant_block), pool, run_id, state_paths, ctx.layout.root / "checkpoints")
+                      aggregator_codec(p.federate.transport, p.federate.quant_block, pool.pins, p.federate.announce_outlier_factor),
+                      pool, run_id, state_paths, ctx.layout.root / "checkpoints")
 
 
 def resume(fed: Federation) -> FederationState:
     """The state after the last committed round of this run (crash-resume), or the warm-started start."""
-    ckpt = load_checkpoint(fed.ckpt_path, fed.run_id)
+    ckpt = load_checkpoint(fed.ckpt_path, fed.run_id, fed.ckpt_key)
     state = FederationState(federated_state(fed.model))
     if ckpt is not None:
         state = FederationState(ckpt.global_params, ckpt.momentum, list(ckpt.history), ckpt.round_idx, dict(ckpt.site_states))
@@ -148,7 +156,7 @@ def commit_round(fed: Federation, state: FederationState, outcome: RoundOutcome,
         for s in members:
             state.site_refs[s] = commit_site_state(fed.state_paths[s], fed.ckpt_root / "sites" / s, r)
     save_checkpoint(fed.ckpt_path, FederationCheckpoint(fed.run_id, r + 1, state.global_state, state.momentum, state.site_refs,
-                                                        capture_rng(), state.history))
+                                                        capture_rng(), state.history), fed.ckpt_key)
     if not fed.sovereign:
         for s in members:
             prune_site_states(fed.ckpt_root / "sites" / s, state.site_refs[s])
@@ -198,6 +206,12 @@ def summarize(ctx, fed: Federation, state: FederationState, head_adapt: dict, lo
         "final_loss_pred": sum(v["loss/pred"] for v in rounds[-1]["sites"].values()) / len(rounds[-1]["sites"]),
         "per_round": rounds, "local_only": local_only, "head_adapt": head_adapt,
     }
+    privacy = run_privacy(p, rounds)
+    if privacy:  # only clipped or DP runs carry it: the default report stays byte-identical
+        summary["dp"] = privacy
+        ctx.measured["dp/clip_fraction"] = privacy["clip_fraction_mean"]
+        if privacy["enabled"]:
+            ctx.measured["dp/epsilon"] = privacy["epsilon"]
     m = ctx.measured
     m["fed/bytes_per_param"], m["fed/quant_ratio"] = summary["bytes_per_param"], summary["quant_ratio"]
     m["fed/round_seconds"] = summary["round_seconds_mean"]
@@ -227,11 +241,17 @@ def round_record(fed: Federation, outcome: RoundOutcome, total_seconds: float) -
     per_site = {s: {"comm_bytes": res.comm_bytes(s), "payload_bytes": res.payload_bytes[s], "encode_seconds": res.encode_seconds[s],
                     **trained[s]["metrics"]} for s in res.members}
     bytes_per_param = sum(v["comm_bytes"] for v in per_site.values()) / (len(res.members) * fed.numel)
+    privacy = round_privacy(fed.p, res.ctx, {s: trained[s]["metrics"] for s in res.members})  # {} unless clipping or DP is on
+    for s, figures in privacy.get("sites", {}).items():
+        per_site[s].update(figures)
     record = {"round": outcome.round_idx, "seconds": total_seconds, "outer_step_seconds": res.outer_seconds,
               "gauge_seconds": outcome.gauge_seconds, "work_seconds": outcome.work_seconds,
               "orchestration_seconds": max(0.0, total_seconds - outcome.work_seconds), "sites": per_site,
               "gauge": {k: v for k, v in outcome.gauge.items() if k != "seconds"}, "dropped": outcome.dropped,
-              "bytes_per_param": bytes_per_param}
+              "bytes_per_param": bytes_per_param, **({"dp": privacy["round"]} if privacy else {}),
+              # INV-BOUNDED-INFLUENCE events, only when they happened (the default report stays byte-identical)
+              **({"aborted_attempts": list(res.aborts)} if res.aborts else {}),
+              **({"capped_blocks": dict(res.capped)} if res.capped else {})}
     return record, per_site
 
 

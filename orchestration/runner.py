@@ -188,7 +188,7 @@ def stage_run(stage: str, root: Path | str = ".", params_path: str = "params.yam
         ctx.measured.setdefault("perf/stage_seconds", time.time() - started)
         t_tracking = time.perf_counter()
         budgets = load_budgets(layout.root / "budgets.yaml")
-        rows = evaluate_budgets(budgets, stage, hw, ctx.measured)
+        rows = evaluate_budgets(budgets, stage, hw, ctx.measured, params)
         bad = violations(rows)
         if bad:
             raise BudgetExceeded(f"{stage}: invariant budget {bad[0]['name']} is {bad[0]['status']} its band ({bad[0]['value']})")

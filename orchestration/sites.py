@@ -30,14 +30,17 @@ from prefect import unmapped
 from lensemble.config import Params, SiteParams
 from lensemble.data.audit import PrivateIndex, index_path
 from lensemble.data.residency import ResidencyGuard
-from lensemble.errors import ConfigError
+from lensemble.errors import ConfigError, IntegrityError
 from lensemble.federation.exchange import (
     Exchange, attempt_prefix, exchange_url, pack_json, pack_tensors, round_prefix, unpack_tensors,
 )
+from lensemble.federation.dp import private_codec
 from lensemble.federation.rounds import InlineSites, SiteEndpoint
+from lensemble.federation.signing import key_fingerprint
 from lensemble.federation.transport import ParamSpec, RoundContext
 from lensemble.federation.transports import site_codec
 from lensemble.paths import Layout
+from tasks.residency import check_exchange_tree
 
 
 class _ThreadTimeoutNotice(logging.Filter):
@@ -90,7 +93,9 @@ class LocalSites(InlineSites):
 
         keys = {s.name: Ed25519PrivateKey.generate() for s in p.data.sites}
         public = {s: k.public_key() for s, k in keys.items()}
-        super().__init__({s: SiteEndpoint(s, site_codec(p.federate.transport, p.federate.quant_block, s, keys[s], public),
+        self.pins = {s: key_fingerprint(k) for s, k in public.items()}  # drawn here and pinned here: no key from outside
+        super().__init__({s: SiteEndpoint(s, private_codec(site_codec(p.federate.transport, p.federate.quant_block, s, keys[s], public,
+                                                                      self.pins), p),
                                           partial(load_delta, delta_paths[s]), partial(release_payload, layout, s, spec), public[s])
                           for s in sorted(keys)})
         opts = site_task_options(p)
@@ -179,7 +184,10 @@ class SovereignSites:
     """Each site's round runs at the site; the coordinator talks to it only through the exchange."""
 
     def __init__(self, p: Params, layout: Layout, run_id: str, ex: Exchange) -> None:
+        from orchestration.site_agent import site_pins
+
         self.p, self.layout, self.run_id, self.ex = p, layout, run_id, ex
+        self.pins = site_pins(p)  # INV-PINNED-KEYS: the only keys the coordinator accepts
         self.timeout = p.federate.site_timeout_seconds
         self.attempt = 0
         self._launched: list = []  # (site, task future or deployment flow run)
@@ -209,6 +217,7 @@ class SovereignSites:
 
     def train(self, r: int, sites, global_state: dict, probe: torch.Tensor, global_probe: torch.Tensor) -> tuple[dict, dict]:
         prefix = round_prefix(self.run_id, r)
+        check_exchange_tree(self.p, self.layout, self.ex, prefix)  # what a crashed attempt left is scanned before it goes
         self.ex.remove_tree(prefix)  # a round redone after a crash starts from a clean slate
         self.attempt = 0
         self.ex.put(f"{prefix}/global.pt", pack_tensors({"state": global_state, "global_probe": global_probe}))
@@ -218,12 +227,24 @@ class SovereignSites:
         return trained, {s: f"ParticipantDropped: no training result in {self.ex.url}" for s in sites if s not in got}
 
     def public_keys(self, sites) -> tuple[dict, dict]:
-        """Each site's enrolled Ed25519 public key, read from the exchange."""
-        from orchestration.site_agent import read_public_key
+        """Each site's Ed25519 public key with its pinned fingerprint, read from the exchange.
 
-        keys = {s: read_public_key(self.ex, s) for s in sites}
-        return ({s: k for s, k in keys.items() if k is not None},
-                {s: f"ConfigError: site {s} has no enrolled signing key in {self.ex.url}" for s, k in keys.items() if k is None})
+        A site that has not published it yet, or whose published blob is not the pinned key, fails this
+        step (a dropout with its reason); any other key under the site's name is never read.
+        """
+        from orchestration.site_agent import public_key_name, read_public_key
+
+        keys, failed = {}, {}
+        for s in sites:
+            try:
+                keys[s] = read_public_key(self.ex, s, self.pins[s])
+            except IntegrityError as exc:
+                failed[s] = f"IntegrityError: {exc}"
+                continue
+            if keys[s] is None:
+                del keys[s]
+                failed[s] = f"ConfigError: site {s} has no enrolled signing key at {public_key_name(s, self.pins[s])} in {self.ex.url}"
+        return keys, failed
 
     def key_shares(self, ctx: RoundContext) -> tuple[dict, dict]:
         self.ex.put(f"{self._attempt_prefix(ctx)}/open.json", pack_json({"sites": list(ctx.site_ids)}))
@@ -259,7 +280,8 @@ class SovereignSites:
         self.work_seconds = 0.0
 
     def finish(self) -> None:
-        """The run is complete: its messages are spent (enrolled keys stay)."""
+        """The run is complete: its messages are spent (enrolled keys stay) once a leak scan of them finds nothing."""
+        check_exchange_tree(self.p, self.layout, self.ex, self.run_id)  # ResidencyViolation keeps the tree
         self.ex.remove_tree(self.run_id)
 
 

@@ -58,11 +58,22 @@ def record_round(ctx, fed, outcome) -> dict:
             ctx.metric(name, m[name], step=r, round_idx=r, participant=s)
     for s in outcome.dropped:
         ctx.metric("perf/site_dropouts", 1.0, step=r, round_idx=r, participant=s)
+    if res.aborts:  # attempts aborted by a range check or a copied key share, then redone (INV-BOUNDED-INFLUENCE)
+        ctx.metric("perf/aborted_attempts", float(len(res.aborts)), step=r, round_idx=r)
+    for s, n in sorted(res.capped.items()):  # blocks whose announced absmax the grid agreement capped
+        ctx.metric("perf/capped_blocks", float(n), step=r, round_idx=r, participant=s)
     record, per_site = round_record(fed, outcome, time.perf_counter() - outcome.started)
     publish_round(r, per_site, outcome.gauge, outcome.dropped, round_budgets(ctx.layout.root, ctx.hw_class, {
         "fed/bytes_per_param": record["bytes_per_param"], "fed/round_seconds": time.perf_counter() - outcome.started,
-        "gauge/effective_dim_fraction": outcome.gauge["effective_dim"]["rankme"] / fed.model.latent_dim}), time.perf_counter() - outcome.started)
-    record, _ = round_record(fed, outcome, time.perf_counter() - outcome.started)
+        "gauge/effective_dim_fraction": outcome.gauge["effective_dim"]["rankme"] / fed.model.latent_dim, **record.get("dp", {})}),
+        time.perf_counter() - outcome.started)
+    record, per_site = round_record(fed, outcome, time.perf_counter() - outcome.started)
+    for s in res.members:  # clipping and DP figures, present only when params turn them on
+        for name in ("dp/update_norm", "dp/clipped", "dp/noise_std"):
+            if name in per_site[s]:
+                ctx.metric(name, per_site[s][name], step=r, round_idx=r, participant=s)
+    for name, value in sorted(record.get("dp", {}).items()):  # dp/epsilon, dp/delta (ε of rounds 0..r), dp/clip_fraction
+        ctx.metric(name, value, step=r, round_idx=r)
     effective = outcome.gauge["effective_dim"]
     ctx.metric("gauge/effective_dim", effective["rankme"], step=r, round_idx=r)
     ctx.metric("gauge/participation_ratio", effective["participation_ratio"], step=r, round_idx=r)

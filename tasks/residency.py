@@ -1,13 +1,20 @@
-"""Prefect task of the residency stage: one site's audit of what may leave it."""
+"""Prefect task of the residency stage (one site's audit of what may leave it), and the leak scans the
+federation runs on what it wrote: the exchange's run tree before it is removed, and the stage's outputs
+(reports/, the MLflow store) after it ends."""
 from __future__ import annotations
 
 from prefect import task
 from prefect.cache_policies import NONE
 
-from lensemble.data.audit import load_index, scan_paths
+from lensemble.data.audit import PrivateIndex, index_path, load_index, scan_blobs, scan_paths
 from lensemble.data.residency import ResidencyGuard
 from lensemble.errors import ResidencyViolation
-from lensemble.workflow import load_site
+from lensemble.workflow import load_site, site_names
+
+
+def output_targets(layout) -> list:
+    """Where a run's shared outputs land: the exchange area, reports/ and the MLflow store."""
+    return [layout.exchange, layout.reports, layout.root / "mlflow.db", layout.root / "mlartifacts"]
 
 
 @task(name="audit-site", cache_policy=NONE)
@@ -16,8 +23,50 @@ def audit_site(params, layout, site: str, manifest: dict) -> dict:
     index = load_index(layout.site_episodes(site), load_site(layout, params, site))
     guard = ResidencyGuard(site, None, layout.site_audit(site), private=index)
     guard.release("manifest", manifest)
-    targets = [layout.exchange, layout.reports, layout.root / "mlflow.db", layout.root / "mlartifacts"]
-    leaks = scan_paths(targets, index)
+    leaks = scan_paths(output_targets(layout), index)
     if leaks:
         raise ResidencyViolation(f"site {site!r}: private rows found in {sorted(leaks)[:3]}")
     return {"site": site, "fingerprints": len(index), "index_sha256": index.digest(), "leaks": 0}
+
+
+def site_indexes(params, layout) -> dict[str, PrivateIndex]:
+    """Every site's private index that this machine holds (the stored one, else built from its episodes).
+
+    In the one-machine product the coordinator reaches every site's folder; a site whose store is not
+    here (a sovereign site on its own machine) is left out: it scans at home.
+    """
+    out = {}
+    for s in site_names(params):
+        store = layout.site_episodes(s)
+        if index_path(store).is_file():
+            out[s] = PrivateIndex.load(index_path(store))
+        elif store.exists():
+            out[s] = load_index(store, load_site(layout, params, s))
+    return out
+
+
+def check_exchange_tree(params, layout, ex, rel: str) -> int:
+    """Scan every object under `rel` in the exchange for every site's private rows; returns the objects scanned.
+
+    ResidencyViolation naming the objects on a hit; the tree is left in place for inspection.
+    """
+    blobs = list(ex.walk(rel))
+    if not blobs:
+        return 0
+    leaks = scan_blobs(blobs, site_indexes(params, layout))
+    if leaks:
+        raise ResidencyViolation(f"exchange {ex.url}: private rows found in {sorted(leaks)[:3]}; {rel} kept for inspection")
+    return len(blobs)
+
+
+def check_outputs(params, layout) -> int:
+    """After a stage: scan reports/, the MLflow store and the exchange area for every site's private rows.
+
+    Returns the number of sites scanned against; ResidencyViolation naming the files on a hit.
+    """
+    indexes = site_indexes(params, layout)
+    for site, index in sorted(indexes.items()):
+        leaks = scan_paths(output_targets(layout), index)
+        if leaks:
+            raise ResidencyViolation(f"site {site!r}: private rows found in {sorted(leaks)[:3]}")
+    return len(indexes)

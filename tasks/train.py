@@ -12,6 +12,7 @@ from lensemble.config import Params
 from lensemble.data.audit import load_index
 from lensemble.data.residency import ResidencyGuard
 from lensemble.dynamics import round_dynamics
+from lensemble.federation.dp import clip_update, update_clip
 from lensemble.federation.transport import param_spec
 from lensemble.gauge import drift, effective_dim, pool_tokens, pooled_checkpoints
 from lensemble.model.world_model import federated_state, load_federated, local_state
@@ -99,17 +100,21 @@ def site_train(params: Params, layout: Layout, site: str, round_idx: int, global
     train_seconds = time.perf_counter() - t0
     local = federated_state(model)
     delta = {n: local[n] - global_state[n] for n in sorted(global_state)}
+    delta, clip_metrics = clip_update(delta, update_clip(params))  # DP / bounded influence; untouched when neither is set
     private = load_index(layout.site_episodes(site), eps).with_tensors(local_state(model))
-    guard = ResidencyGuard(site, param_spec(global_state), layout.site_audit(site), probe_rows=probe.shape[0], private=private)
+    guard = ResidencyGuard(site, param_spec(global_state), layout.site_audit(site), probe_rows=probe.shape[0], private=private,
+                           probe_dim=model.latent_dim)
     guard.release("update", delta)
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, state_path)
     torch.save(delta, delta_path)
     site_probe = pool_tokens(encode_frames(model, probe))
     gauge = drift(site_probe, pool_tokens(global_probe))
     metrics = {**log.mean(), "train_seconds": train_seconds, "steps": params.federate.inner_steps,
-               **{f"gauge/{k}": v for k, v in gauge.items()}, **dyn, "dynamics_seconds": dyn_seconds}
-    guard.release("metrics", metrics)
-    return {"metrics": metrics, "probe_embedding": guard.release("public_probe_embedding", site_probe), "task_seconds": time.perf_counter() - t_task}
+               **{f"gauge/{k}": v for k, v in gauge.items()}, **dyn, "dynamics_seconds": dyn_seconds, **clip_metrics}
+    metrics = guard.release("metrics", metrics)  # fp32-rounded: at most 32 bits per value leave
+    site_probe = guard.release("public_probe_embedding", site_probe)
+    task_seconds = guard.release("metrics", {"task_seconds": time.perf_counter() - t_task})["task_seconds"]
+    return {"metrics": metrics, "probe_embedding": site_probe, "task_seconds": task_seconds}
 
 
 @task(name="site-adapt-head", cache_policy=NONE)

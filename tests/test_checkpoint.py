@@ -25,6 +25,11 @@ REPO = Path(__file__).resolve().parents[1]
 RUN = "run-0123456789ab"
 
 
+def _key(tmp_path: Path) -> Path:
+    """The coordinator key of a test (created by the first save)."""
+    return tmp_path / "keys" / "coordinator.hmac"
+
+
 def _site_state(path: Path, seed: int) -> Path:
     """A site working state in `site_train`'s format: model and AdamW state dicts."""
     with torch.random.fork_rng():
@@ -59,14 +64,14 @@ def _same(a: FederationCheckpoint, b: FederationCheckpoint) -> None:
 @pytest.mark.parametrize("momentum", [True, False])
 def test_round_trip_is_bitwise(tmp_path, momentum):
     ckpt = _checkpoint(tmp_path, momentum=momentum)
-    save_checkpoint(tmp_path / "coord" / "fed.ckpt", ckpt)
-    back = load_checkpoint(tmp_path / "coord" / "fed.ckpt", expected_run=RUN)
+    save_checkpoint(tmp_path / "coord" / "fed.ckpt", ckpt, _key(tmp_path))
+    back = load_checkpoint(tmp_path / "coord" / "fed.ckpt", expected_run=RUN, key_path=_key(tmp_path))
     _same(ckpt, back)
     assert back.global_params["predictor.b"].dtype == torch.float64
 
 
 def test_missing_checkpoint_is_a_fresh_start(tmp_path):
-    assert load_checkpoint(tmp_path / "none.ckpt", expected_run=RUN) is None
+    assert load_checkpoint(tmp_path / "none.ckpt", expected_run=RUN, key_path=_key(tmp_path)) is None
 
 
 def test_rng_states_restore_exactly():
@@ -89,7 +94,7 @@ def test_unserialisable_history_is_a_clear_error(tmp_path):
     ckpt = _checkpoint(tmp_path)
     ckpt.history.append({"loss": torch.tensor(1.0)})
     with pytest.raises(TypeError, match="JSON-serialisable"):
-        save_checkpoint(tmp_path / "fed.ckpt", ckpt)
+        save_checkpoint(tmp_path / "fed.ckpt", ckpt, _key(tmp_path))
     assert not (tmp_path / "fed.ckpt").exists()
 
 
@@ -116,25 +121,25 @@ DAMAGE = {
 def test_damaged_checkpoint_is_refused_naming_the_file(tmp_path, damage):
     path = tmp_path / "fed.ckpt"
     ckpt = _checkpoint(tmp_path)
-    save_checkpoint(path, ckpt)
+    save_checkpoint(path, ckpt, _key(tmp_path))
     DAMAGE[damage](path, ckpt)
     with pytest.raises(IntegrityError, match=str(path)) as info:
-        load_checkpoint(path, expected_run=RUN)
+        load_checkpoint(path, expected_run=RUN, key_path=_key(tmp_path))
     if damage.startswith("site"):
         assert "site_" in str(info.value)
 
 
 def test_wrong_run_is_refused(tmp_path):
     path = tmp_path / "fed.ckpt"
-    save_checkpoint(path, _checkpoint(tmp_path))
+    save_checkpoint(path, _checkpoint(tmp_path), _key(tmp_path))
     with pytest.raises(IntegrityError, match=f"{path}.*belongs to run '{RUN}'"):
-        load_checkpoint(path, expected_run="another-run")
+        load_checkpoint(path, expected_run="another-run", key_path=_key(tmp_path))
 
 
 def test_crash_between_temp_write_and_rename_keeps_previous(tmp_path, monkeypatch):
     path = tmp_path / "fed.ckpt"
     before = _checkpoint(tmp_path, round_idx=2)
-    save_checkpoint(path, before)
+    save_checkpoint(path, before, _key(tmp_path))
     after = _checkpoint(tmp_path, round_idx=3)  # site snapshots of round 2 committed, as in the protocol
 
     def crash(src, dst):
@@ -142,13 +147,13 @@ def test_crash_between_temp_write_and_rename_keeps_previous(tmp_path, monkeypatc
 
     monkeypatch.setattr(ck.os, "replace", crash)
     with pytest.raises(OSError, match="power loss"):
-        save_checkpoint(path, after)
+        save_checkpoint(path, after, _key(tmp_path))
     monkeypatch.undo()
     assert list(tmp_path.glob(".fed.ckpt.tmp-*")), "the temporary file is what a crash leaves"
-    _same(before, load_checkpoint(path, expected_run=RUN))
-    save_checkpoint(path, _checkpoint(tmp_path, round_idx=4))  # the next commit clears the leftover
+    _same(before, load_checkpoint(path, expected_run=RUN, key_path=_key(tmp_path)))
+    save_checkpoint(path, _checkpoint(tmp_path, round_idx=4), _key(tmp_path))  # the next commit clears the leftover
     assert not list(tmp_path.glob(".fed.ckpt.tmp-*"))
-    assert load_checkpoint(path, expected_run=RUN).round_idx == 4
+    assert load_checkpoint(path, expected_run=RUN, key_path=_key(tmp_path)).round_idx == 4
 
 
 def test_site_snapshots_restore_and_prune(tmp_path):
@@ -213,7 +218,8 @@ TOY = textwrap.dedent('''
         ckpt_path = root / "coordinator" / "federation.ckpt"
         work = {s: root / "work" / s / "state.pt" for s in SITES}
         snapshots = {s: root / "sites" / s / "checkpoints" for s in SITES}
-        ckpt = ck.load_checkpoint(ckpt_path, expected_run=RUN)
+        key = root / "keys" / "coordinator.hmac"
+        ckpt = ck.load_checkpoint(ckpt_path, expected_run=RUN, key_path=key)
         ck.restore_sites(ckpt, work)
         if ckpt is None:
             torch.manual_seed(0); np.random.seed(0); random.seed(0)
@@ -237,7 +243,7 @@ TOY = textwrap.dedent('''
                 def slow_replace(src, dst):
                     print(f"paused in commit {r}", flush=True); time.sleep(120); real_replace(src, dst)
                 os.replace = slow_replace
-            ck.save_checkpoint(ckpt_path, ck.FederationCheckpoint(RUN, r + 1, params, momentum, refs, ck.capture_rng(), history))
+            ck.save_checkpoint(ckpt_path, ck.FederationCheckpoint(RUN, r + 1, params, momentum, refs, ck.capture_rng(), history), key)
             for s in SITES:
                 ck.prune_site_states(snapshots[s], keep=refs[s])
             print(f"round {r} done", flush=True)

@@ -18,20 +18,25 @@ def ex(request, tmp_path):
     return Exchange(url)
 
 
+# names of the exchange layout (module docstring of lensemble.federation.exchange); others are refused
+A, B = "r/round-0/a0/grid.bin", "r/round-0/global.pt"
+
+
 def test_put_then_get_round_trips_and_leaves_no_temporary(ex, tmp_path):
-    assert ex.get("r/a.bin") is None
-    assert ex.put("r/a.bin", b"\x00payload") == 8
-    assert ex.get("r/a.bin") == b"\x00payload"
-    assert [p.rsplit("/", 1)[-1] for p in ex.fs.ls(ex._path("r"), detail=False)] == ["a.bin"]
+    assert ex.get(A) is None
+    assert ex.put(A, b"\x00payload") == 8
+    assert ex.get(A) == b"\x00payload"
+    assert [p.rsplit("/", 1)[-1] for p in ex.fs.ls(ex._path("r/round-0/a0"), detail=False)] == ["grid.bin"]
     state = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
-    ex.put("r/s.pt", pack_tensors(state))
-    assert torch.equal(unpack_tensors(ex.get("r/s.pt"))["w"], state["w"])
+    ex.put(B, pack_tensors(state))
+    assert torch.equal(unpack_tensors(ex.get(B))["w"], state["w"])
 
 
 def test_first_prefers_earlier_names_and_gives_up_at_the_deadline(ex):
-    ex.put("x/late", b"2")
-    ex.put("x/done", b"1")
-    assert ex.first(["x/done", "x/late"], time.monotonic() + 1, "t") == ("x/done", b"1")
+    late, done = "x/round-0/a1/open.json", "x/round-0/done.json"
+    ex.put(late, b"2")
+    ex.put(done, b"1")
+    assert ex.first([done, late], time.monotonic() + 1, "t") == (done, b"1")
     t0 = time.monotonic()
     with pytest.raises(ParticipantDropped, match="nothing at \\['x/never'\\]"):
         ex.first(["x/never"], time.monotonic() + 0.3, "t")
@@ -39,16 +44,16 @@ def test_first_prefers_earlier_names_and_gives_up_at_the_deadline(ex):
 
 
 def test_gather_returns_what_arrived_by_the_deadline(ex):
-    ex.put("g/a", b"a")
-    got = ex.gather({"a": "g/a", "b": "g/b"}, time.monotonic() + 0.2)
+    ex.put("g/round-0/a0/a.key", b"a")
+    got = ex.gather({"a": "g/round-0/a0/a.key", "b": "g/round-0/a0/b.key"}, time.monotonic() + 0.2)
     assert got == {"a": b"a"}
 
 
 def test_remove_tree_removes_a_run(ex):
-    ex.put("run1/round-0/x", b"1")
+    ex.put("run1/round-0/global.pt", b"1")
     ex.put("keys/a.pub", b"k")
     ex.remove_tree("run1")
-    assert ex.get("run1/round-0/x") is None and ex.get("keys/a.pub") == b"k"
+    assert ex.get("run1/round-0/global.pt") is None and ex.get("keys/a.pub") == b"k"
 
 
 def test_an_unreachable_or_unknown_exchange_is_a_config_error(tmp_path):

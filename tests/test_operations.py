@@ -2,6 +2,7 @@
 exchange, per-round Prefect artifacts, `lensemble serve` and `lensemble site deploy`, and their bad input."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -24,6 +25,17 @@ def _fed(root):
 def _edit(root, **federate):
     raw = yaml.safe_load((root / "params.yaml").read_text())
     raw["federate"].update(federate)
+    (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+
+
+def _pin_keys(root):
+    """What each sovereign site does first: `lensemble site keygen SITE`, its fingerprint pinned in params."""
+    from lensemble.paths import Layout
+    from orchestration.site_agent import keygen
+
+    raw = yaml.safe_load((root / "params.yaml").read_text())
+    for s in raw["data"]["sites"]:
+        s["key_fingerprint"] = keygen(Layout(root), s["name"])[0]
     (root / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
 
 
@@ -112,6 +124,7 @@ def test_sovereign_sites_over_the_exchange_equal_local_federation_bitwise(prefec
     _edit(project, head_adapt_steps=0, local_only=False)
     federate_flow(root=str(project))
     local = _fed(project)
+    _pin_keys(project)
     _edit(project, execution="sovereign", site_launch="task", exchange="exchange")
     federate_flow(root=str(project))
     sovereign = _fed(project)
@@ -121,7 +134,9 @@ def test_sovereign_sites_over_the_exchange_equal_local_federation_bitwise(prefec
     key = project / "keys" / "site_a.ed25519"
     assert key.stat().st_mode & 0o777 == 0o600
     exchange = project / "exchange"
-    assert (exchange / "keys" / "site_a.pub").read_bytes() and not list(exchange.glob("*/round-*"))  # spent messages removed
+    pinned = yaml.safe_load((project / "params.yaml").read_text())["data"]["sites"][0]["key_fingerprint"]
+    published = (exchange / "keys" / f"site_a-{pinned[:24]}.pub").read_bytes()  # named by its pin
+    assert hashlib.sha256(published).hexdigest() == pinned and not list(exchange.glob("*/round-*"))  # spent messages removed
     assert list((project / "site_state" / "site_a").glob("*/state.pt"))  # the site's state stayed at the site
 
 
@@ -135,6 +150,7 @@ def test_sovereign_sites_over_the_exchange_equal_local_federation_bitwise(prefec
 def test_sovereign_bad_input_fails_before_any_round(prefect_server, project, federate, message):
     from flows.federate import federate_flow
 
+    _pin_keys(project)
     _edit(project, **{"execution": "sovereign", "site_launch": "task", **federate})
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         federate_flow(root=str(project))  # no data prepared: the checks come first
@@ -218,6 +234,7 @@ def test_sovereign_sites_on_their_own_work_pools_with_real_workers(prefect_serve
     _edit(project, head_adapt_steps=0, local_only=False)
     federate_flow(root=str(project))
     local = _fed(project)["global_params_sha256"]
+    _pin_keys(project)
     raw = yaml.safe_load((project / "params.yaml").read_text())
     pools = {s["name"]: f"pool-{s['name'].replace('_', '-')}-{uuid.uuid4().hex[:8]}" for s in raw["data"]["sites"]}
     for s in raw["data"]["sites"]:

@@ -215,7 +215,7 @@ def test_unknown_and_unregistered_sites_are_rejected():
     wider = RoundContext("run-1", 3, (*SITES, "e"), SPEC)
     with pytest.raises(ConfigError, match="no Ed25519 signing key for site 'e'"):
         transport.encode(wider, "e", DELTAS["a"])
-    impostor = Int8Transport(block=BLOCK)  # enrols its own key for 'a'
+    impostor = Int8Transport(generate_site_keys(("a",)), block=BLOCK)  # holds its own key for 'a'
     with pytest.raises(IntegrityError, match="'a' has a bad Ed25519 signature"):
         transport.aggregate(ctx, {**good, "a": impostor.encode(ctx, "a", DELTAS["a"])})
 

@@ -18,9 +18,10 @@ A `PrivateIndex` recognises copies of a site's private rows inside arbitrary byt
 
 Scanning views a blob as little-endian uint64 at its 8 byte alignments (every byte offset is
 tested), pre-filters every word with one lookup in a 4 MiB bitmap and resolves the rare candidates
-with binary search; its cost is a few passes over the blob. `scan_file` also looks inside what a
-file may encode: images (decoded pixels), zip and gzip members, base64 and hex runs, and numbers
-written as text (consecutive numbers as float32 pairs; runs of integers 0..255 as bytes).
+with binary search; its cost is a few passes over the blob. `scan_file` (and `scan_data`, and
+`scan_blobs` for objects that are not local files, such as the exchange's run tree) also looks
+inside what a file may encode: images (decoded pixels), zip and gzip members, base64 and hex runs,
+and numbers written as text (consecutive numbers as float32 pairs; runs of integers 0..255 as bytes).
 
 The index is derived from private rows: it stays at its site, beside the episodes.
 """
@@ -322,15 +323,35 @@ def _text_numbers(data: bytes) -> tuple[list[float], list[bytes]]:
 
 def scan_file(path: Path, index: PrivateIndex) -> dict[str, int]:
     """Hits per class in a file, its decoded contents and its text-encoded numbers."""
-    data = Path(path).read_bytes()
+    return scan_data(Path(path).read_bytes(), Path(path).suffix.lower(), index)
+
+
+def scan_data(data: bytes, suffix: str, index: PrivateIndex) -> dict[str, int]:
+    """Hits per class in `data` (a file's bytes, `suffix` its lower-case extension), its decoded contents and text numbers."""
     hits = index.scan(data)
-    extra = list(_decoded(data, Path(path).suffix.lower()))
+    extra = list(_decoded(data, suffix))
     nums, runs = _text_numbers(data)
     for blob in [*extra, *runs]:
         for k, v in index.scan(blob).items():
             hits[k] += v
     hits["values"] += index.scan_floats(nums)
     return hits
+
+
+def scan_blobs(blobs: Iterable[tuple[str, bytes]], indexes: Mapping[str, PrivateIndex]) -> dict[str, dict[str, int]]:
+    """Objects (name, bytes) in which any site's private content occurs: "name (site)" → hits per class.
+
+    For trees that are not local files, e.g. the exchange's run tree (`Exchange.walk`); each blob is
+    read once and scanned against every index.
+    """
+    found = {}
+    for name, data in blobs:
+        suffix = Path(name).suffix.lower()
+        for site, index in sorted(indexes.items()):
+            hits = scan_data(data, suffix, index)
+            if any(hits.values()):
+                found[f"{name} ({site})"] = hits
+    return found
 
 
 def scan_paths(paths: Iterable[Path], index: PrivateIndex) -> dict[str, dict[str, int]]:

@@ -1,28 +1,46 @@
-"""INV-RESIDENCY: the one boundary every object leaving a site passes, fail-closed.
+"""INV-RESIDENCY and INV-TYPED-RELEASE: the one boundary every object leaving a site passes, fail-closed.
 
-`ResidencyGuard.release(kind, obj)` returns `obj` unchanged if it is on the allow-list and raises
-`ResidencyViolation` otherwise, writing nothing but one line of the site's audit log:
+`ResidencyGuard.release(channel, obj)` returns what may leave (see below) if `obj` matches the
+channel's schema exactly, and raises `ResidencyViolation` naming the channel otherwise, writing
+nothing but one line of the site's audit log. The schema of each channel:
 
-- "update": a plain dict name → fp32 CPU-layout tensor whose names and shapes equal the declared
-  federated spec exactly; no action-head names (INV-ACTIONHEAD-LOCAL), finite values, and not
-  values laid out on an 8-bit pixel grid (frames copied into a parameter).
+- "update": a plain dict name → plain dense fp32 tensor whose names and shapes equal the declared
+  federated spec exactly; no action-head names (INV-ACTIONHEAD-LOCAL); every value finite; the
+  whole message (all tensors' values concatenated in name order) not on an 8-bit pixel grid (see
+  `on_pixel_grid`). Returned unchanged.
 - "payload": `bytes` from a transport: not a pickle or a known container (zip/torch, npy, image,
-  gzip, parquet), of the declared size when given and at most 8 bytes per federated parameter.
-- "public_probe_embedding": the pooled embedding of the public probe P, exactly [|P|, D] fp32.
-- "metrics" / "manifest" / "log": plain dicts and lists with str keys and scalar leaves (bool, int,
-  float, None, short str such as names and hashes). Tensors, arrays (0-d included), bytes, sets,
-  dataclasses, generators and any other object are refused wherever they hide; metrics lists are
-  short and flat, manifest and log lists carry at most `MAX_NUMBERS_PER_LIST` numbers; strings
-  are short and hold no long base64/hex run.
+  gzip, parquet), of the declared size when given and at most 8 bytes per federated parameter
+  + 1 MiB. Returned unchanged.
+- "public_probe_embedding": the pooled embedding of the public probe P: a plain dense fp32 tensor
+  of shape exactly [probe_rows, probe_dim] (|P| and the latent width d the site's model declares),
+  finite, not on a pixel grid. Returned as a fresh contiguous clone, so no backing storage of a
+  view rides along when it is serialized.
+- "metrics": a plain dict, at most one entry per name, names from `METRIC_NAMES` (the canonical
+  names of DESIGN.md §7 and those `tasks.train.site_train` releases); each value an int in the
+  int32 range or a finite real number that is finite in fp32. No strings, bools, None, lists or
+  nesting: no free text. Returned as a new dict whose floats are rounded to fp32 (Python floats
+  holding fp32 values), so at most 32 bits per value leave; a float64 is released as its fp32
+  value, never refused for precision alone.
+- "manifest": a site's data manifest (`lensemble.data.episodes.data_manifest`), exactly the keys of
+  `MANIFEST_FIELDS`: `embodiment` a lower-case name, `episodes` and `steps` int32 counts >= 0,
+  `schema_hash`, `content_hash`, `file_sha256` lower-case hex digests of 16..64 chars.
+- "log": one log record: a dict with `event` from `LOG_EVENTS` and optional `LOG_FIELDS` (each may
+  be None): `run`/`stage` names, `round`/`attempt`/`step`/`bytes` int32 counts >= 0,
+  `participant` the guard's own site, `name` a metric name, `value` a number as in metrics (fp32),
+  `sha256` a hex digest.
+
+Manifests and logs also pass the generic checks of plain data (`_check_plain`: str keys, short
+strings without long base64/hex runs, no tensors, arrays, bytes, sets or objects anywhere).
 
 With a private-content index (`lensemble.data.audit.PrivateIndex`, built from the site's episodes
-and optionally its action head) every released object is also scanned for the site's private rows:
-tensor and payload bytes at every byte offset, numbers in metrics as consecutive float32 pairs,
-strings as bytes and as decoded base64/hex. A hit is a refusal.
+and optionally its action head) every released message is also scanned as a whole for the site's
+private rows: tensor and payload bytes at every byte offset (all tensors of an update as one
+stream), numbers in metrics and logs as consecutive float32 pairs, strings as bytes and as decoded
+base64/hex. A hit is a refusal.
 
 Audit records hold the decision, a sha256 of what was released, counts and the index's digest;
-refusal reasons name parameters by the federated spec's own names and never echo values or
-untrusted strings.
+refusal reasons name the channel and parameters by the federated spec's own names, and never echo
+values or untrusted strings (an unknown name is shown as a hash).
 """
 from __future__ import annotations
 
@@ -49,12 +67,37 @@ from lensemble.model.world_model import FEDERATED_PREFIXES
 MAX_STR = 256  # chars of one string leaf (names, hashes, short reasons)
 MAX_KEY = 128  # chars of one dict key
 MAX_BLOB_RUN = 88  # chars of one base64/hex run in a string: a sha512 in base64, nothing longer
-MAX_METRIC_LIST = 16  # items of one list in metrics (per-step losses of a short run, a band)
 MAX_LIST = 4096  # items of one list in manifests and logs
 MAX_NUMBERS_PER_LIST = 64  # numbers in one manifest/log list: more is a data row, not a summary
 MAX_DEPTH = 8
 MAX_LEAVES = 50_000
-PIXEL_GRID_SHARE = 0.9  # share of nonzero update values on an 8-bit pixel grid that means "frames"
+PIXEL_GRID_SHARE = 0.9  # share of nonzero values of a message on an 8-bit pixel grid that means "frames"
+PIXEL_TOL = 1e-4  # |scaled - integer| of a value on a pixel grid (fp32 rounding of k/255 or k/127.5 - 1 is ~1e-5)
+PIXEL_RUN = 16  # consecutive nonzero values on one pixel grid: a pixel row, never chance (p ~ 1e-4 per value)
+PIXEL_SIGMAS = 8.0  # on-grid count above chance (binomial, 2 * PIXEL_TOL per in-range value) that means "pixels"
+INT32 = 1 << 31
+FP32_MAX = float(np.finfo(np.float32).max)
+# Metric names a site may release: DESIGN.md §7's canonical names, plus what tasks.train.site_train
+# (losses, gauge drift, round dynamics, timings) and lensemble.federation.dp release. Exact names only.
+METRIC_NAMES = frozenset({
+    "loss/pred", "loss/sigreg", "loss/anchor", "loss/proprio",
+    "gauge/drift_angle_deg", "gauge/drift_angle_max_deg", "gauge/procrustes_residual", "gauge/reflection",
+    "gauge/effective_dim",
+    "fed/comm_bytes", "fed/quant_ratio", "fed/round_seconds", "fed/outer_step_seconds",
+    "dp/update_norm", "dp/clipped", "dp/noise_std",
+    "eval/success_rate", "eval/rollout_vs_copy", "eval/rollout_vs_copy_last", "eval/rollout_vs_copy_proprio",
+    "eval/action_sensitivity", "eval/action_sensitivity_proprio", "eval/probe_r2",
+    "steps", "train_seconds", "dynamics_seconds", "task_seconds",
+})
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")  # run ids, stage and site names
+_EMBODIMENT = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+_DIGEST = re.compile(r"^[0-9a-f]{16,64}$")
+MANIFEST_FIELDS = {"embodiment": "embodiment", "episodes": "count", "steps": "count", "schema_hash": "digest",
+                   "content_hash": "digest", "file_sha256": "digest"}
+LOG_EVENTS = frozenset({"round-start", "round-done", "trained", "released", "refused", "key-share", "announce", "encode",
+                        "dropped", "enrolled"})
+LOG_FIELDS = {"event": "event", "run": "name", "stage": "name", "round": "count", "attempt": "count", "step": "count",
+              "bytes": "count", "participant": "site", "name": "metric", "value": "number", "sha256": "digest"}
 LOCAL_PREFIXES = ("action_heads.",)
 CONTAINER_MAGIC = {
     b"PK\x03\x04": "a zip archive (torch.save)",
@@ -91,15 +134,37 @@ def looks_like_pickle(blob: bytes) -> bool:
     return False
 
 
-def on_pixel_grid(values: torch.Tensor) -> bool:
-    """Whether most nonzero values are 8-bit pixels: integers 0..255, k/255 or k/127.5 - 1."""
-    v = values.detach().cpu().reshape(-1).numpy()
+def _longest_run(mask: np.ndarray) -> int:
+    """Length of the longest run of True in a 1-d bool array."""
+    if not mask.size:
+        return 0
+    breaks = np.flatnonzero(~mask)
+    return int((np.diff(np.concatenate(([-1], breaks, [mask.size]))) - 1).max())
+
+
+def on_pixel_grid(values) -> bool:
+    """Whether a message's values (all its tensors, concatenated) carry 8-bit pixels.
+
+    A nonzero value is on a grid when it is, within PIXEL_TOL, an integer 1..255, k/255 (k >= 1) or
+    k/127.5 - 1 (0 <= k <= 255). The whole message is on the grid when, for one grid, (a) at least
+    PIXEL_GRID_SHARE of its (>= 8) nonzero values are, (b) PIXEL_RUN consecutive nonzero values are
+    (a pixel row hidden among real deltas), or (c) more are than chance explains: a continuous value in
+    range lands within PIXEL_TOL of an integer with p = 2 * PIXEL_TOL, so a count above
+    mean + PIXEL_SIGMAS * sd + PIXEL_RUN means pixels spread over many tensors or broken into short runs.
+    """
+    v = values.detach().cpu().reshape(-1).numpy() if isinstance(values, torch.Tensor) else np.asarray(values).reshape(-1)
     v = v[v != 0].astype(np.float64)
-    if v.size < 64:
+    if v.size < 8:
         return False
     for scaled, lo in ((v, 1.0), (v * 255.0, 1.0), ((v + 1.0) * 127.5, 0.0)):
-        near = np.abs(scaled - np.rint(scaled)) < 1e-3
-        if np.count_nonzero(near & (scaled >= lo - 1e-3) & (scaled <= 255.0 + 1e-3)) >= PIXEL_GRID_SHARE * v.size:
+        in_range = (scaled >= lo - PIXEL_TOL) & (scaled <= 255.0 + PIXEL_TOL)
+        near = (np.abs(scaled - np.rint(scaled)) < PIXEL_TOL) & in_range
+        hits = int(np.count_nonzero(near))
+        if hits < PIXEL_RUN and hits < PIXEL_GRID_SHARE * v.size:
+            continue
+        chance = 2 * PIXEL_TOL * int(np.count_nonzero(in_range))
+        too_many = hits > chance + PIXEL_SIGMAS * math.sqrt(chance) + PIXEL_RUN
+        if hits >= PIXEL_GRID_SHARE * v.size or too_many or _longest_run(near) >= PIXEL_RUN:
             return True
     return False
 
@@ -116,9 +181,13 @@ class ResidencyGuard:
         *,
         private: PrivateIndex | None = None,
         max_payload_bytes: int | None = None,
+        probe_dim: int | None = None,
+        metric_names: frozenset[str] = METRIC_NAMES,
     ) -> None:
+        """`probe_rows`, `probe_dim`: |P| and the latent width d of the site's model (`WorldModel.latent_dim`)."""
         self.site = site
-        self.probe_rows = probe_rows
+        self.probe_rows, self.probe_dim = probe_rows, probe_dim
+        self.metric_names = frozenset(metric_names)
         self.spec = dict(spec) if spec is not None else None
         self.audit_path = Path(audit_path) if audit_path is not None else None
         self.private = private
@@ -153,8 +222,10 @@ class ResidencyGuard:
     # ---- the boundary ----
 
     def release(self, kind: str, obj: object, *, expected_size: int | None = None) -> object:
-        """Return `obj` unchanged if it may leave the site; otherwise ResidencyViolation.
+        """What may leave the site of `obj` on channel `kind` (see the module docstring); otherwise ResidencyViolation.
 
+        Updates and payloads come back unchanged, a probe embedding as a contiguous clone, metrics and
+        logs as new dicts with fp32-rounded numbers. Callers send what this returns.
         `expected_size`: for a payload, the byte length the transport declares for it.
         """
         self._scanned = 0
@@ -163,13 +234,15 @@ class ResidencyGuard:
         elif kind == "payload":
             digest, size, items = self._check_payload(obj, expected_size)
         elif kind == "public_probe_embedding":
-            digest, size, items = self._check_probe_embedding(obj)
+            obj, digest, size, items = self._check_probe_embedding(obj)
         elif kind in ("metrics", "manifest", "log"):
-            numbers: list[float] = []
-            items = self._check_plain(kind, obj, kind, 0, numbers)
+            if kind != "metrics":  # metrics are flat name → number: their schema alone is stricter
+                self._check_plain(kind, obj, kind, 0, [])
+            obj, numbers = self._check_record(kind, obj)
+            items = len(obj)
             if self.private is not None and self.private.scan_floats(numbers):
                 self._refuse(kind, "its numbers carry the site's private rows")
-            blob = json.dumps(obj, sort_keys=True, default=str).encode()
+            blob = json.dumps(obj, sort_keys=True).encode()
             digest, size = hashlib.sha256(blob).hexdigest(), len(blob)
         else:
             self._refuse("unknown", f"unknown kind {_show(kind)}; allowed: {', '.join(KINDS)}")
@@ -206,12 +279,12 @@ class ResidencyGuard:
             t = t.detach().cpu().contiguous()
             if not torch.isfinite(t).all():
                 self._refuse(kind, f"{name} holds NaN or Inf")
-            if on_pixel_grid(t):
-                self._refuse(kind, f"{name} holds values on an 8-bit pixel grid (image data), not a parameter delta")
             raw = t.numpy().tobytes()
             h.update(name.encode() + b"\0" + raw)
             raws.append(raw)
-        blob = b"".join(raws)  # one scan of the whole update: per-tensor scans cost 4x more in overhead
+        blob = b"".join(raws)  # the whole message: one grid test and one scan (per-tensor scans cost 4x more in overhead)
+        if on_pixel_grid(np.frombuffer(blob, np.float32)):
+            self._refuse(kind, "its values (all tensors together) lie on an 8-bit pixel grid (image data), not a delta")
         if self.private is not None and any(self.private.scan(blob).values()):
             for name, raw in zip(sorted(names), raws):  # the refusal path only: name the tensor
                 self._scan(kind, name, raw)
@@ -235,17 +308,82 @@ class ResidencyGuard:
         self._scan(kind, "the payload", obj)
         return hashlib.sha256(obj).hexdigest(), len(obj), 1
 
-    def _check_probe_embedding(self, obj: object) -> tuple[str, int, int]:
-        """Pooled embeddings of the PUBLIC probe only: [probe_rows, D] fp32, nothing else."""
+    def _check_probe_embedding(self, obj: object) -> tuple[torch.Tensor, str, int, int]:
+        """Pooled embeddings of the PUBLIC probe only: [probe_rows, probe_dim] fp32, finite; a fresh contiguous clone."""
         kind = "public_probe_embedding"
-        if self.probe_rows is None:
-            self._refuse(kind, "no public probe size declared for this site")
-        if type(obj) is not torch.Tensor or obj.dtype != torch.float32 or obj.layout != torch.strided or obj.dim() != 2 or obj.shape[0] != self.probe_rows:
-            shape = tuple(obj.shape) if isinstance(obj, torch.Tensor) else type(obj).__name__
-            self._refuse(kind, f"expected [{self.probe_rows}, D] fp32 embeddings of the public probe, got {shape}")
-        raw = obj.detach().cpu().contiguous().numpy().view(np.uint8).reshape(-1)
+        if self.probe_rows is None or self.probe_dim is None:
+            self._refuse(kind, "no public probe size [|P|, d] declared for this site")
+        want = (self.probe_rows, self.probe_dim)
+        plain = type(obj) is torch.Tensor and obj.dtype == torch.float32 and obj.layout == torch.strided
+        if not plain or tuple(obj.shape) != want:
+            got = type(obj).__name__
+            if isinstance(obj, torch.Tensor):
+                got += f" {obj.dtype} {obj.layout} {tuple(obj.shape)}"
+            self._refuse(kind, f"expected a plain {list(want)} fp32 tensor (|P| x latent width), got {got}")
+        out = obj.detach().cpu().clone(memory_format=torch.contiguous_format)
+        if not torch.isfinite(out).all():
+            self._refuse(kind, "the probe embedding holds NaN or Inf")
+        if on_pixel_grid(out):
+            self._refuse(kind, "the probe embedding lies on an 8-bit pixel grid (image data)")
+        raw = out.numpy().view(np.uint8).reshape(-1)
         self._scan(kind, "the probe embedding", raw)
-        return hashlib.sha256(raw.tobytes()).hexdigest(), raw.size, 1
+        return out, hashlib.sha256(raw.tobytes()).hexdigest(), raw.size, 1
+
+    # ---- record channels: metrics, manifest, log ----
+
+    def _number(self, kind: str, path: str, v: object) -> int | float:
+        """An int32 int as is, or a real number that is finite in fp32 as its fp32 value (a Python float)."""
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+            self._refuse(kind, f"{path} must be a number, got {type(v).__name__}")
+        if isinstance(v, (int, np.integer)):
+            if not -INT32 <= int(v) < INT32:
+                self._refuse(kind, f"{path} is an integer outside the int32 range")
+            return int(v)
+        x = float(v)
+        if not math.isfinite(x) or abs(x) > FP32_MAX:
+            self._refuse(kind, f"{path} is not a finite fp32 scalar (NaN, Inf or out of fp32 range)")
+        return float(np.float32(x))
+
+    def _field(self, kind: str, path: str, ftype: str, v: object) -> object:
+        """One typed field of a manifest or log record."""
+        if ftype == "number":
+            return self._number(kind, path, v)
+        if ftype == "count":
+            if type(v) is not int and not isinstance(v, np.integer) or not 0 <= int(v) < INT32:
+                self._refuse(kind, f"{path} must be an int32 count >= 0")
+            return int(v)
+        if type(v) is not str:
+            self._refuse(kind, f"{path} must be a string ({ftype}), got {type(v).__name__}")
+        ok = {"embodiment": _EMBODIMENT.match(v), "digest": _DIGEST.match(v), "name": _NAME.match(v), "site": v == self.site,
+              "metric": v in self.metric_names, "event": v in LOG_EVENTS}[ftype]
+        if not ok:
+            self._refuse(kind, f"{path} is not a valid {ftype}")
+        return v
+
+    def _check_record(self, kind: str, obj: object) -> tuple[dict, list[float]]:
+        """The record `obj` as released on channel `kind` (metrics, manifest or log), and its numbers in order."""
+        if type(obj) is not dict:
+            self._refuse(kind, f"a {kind} record must be a plain dict, got {type(obj).__name__}")
+        if not all(type(k) is str for k in obj):
+            self._refuse(kind, "a key is not a string")
+        if kind == "metrics":
+            unknown = [k for k in obj if k not in self.metric_names]
+            if unknown:  # never echo an unknown name: it may itself carry data
+                shown = hashlib.sha256(unknown[0].encode()).hexdigest()[:8]
+                self._refuse(kind, f"{len(unknown)} names off the metric whitelist (e.g. <key#{shown}>)")
+            out = {k: self._number(kind, k, v) for k, v in obj.items()}
+        else:
+            fields = MANIFEST_FIELDS if kind == "manifest" else LOG_FIELDS
+            extra = [k for k in obj if k not in fields]
+            if extra:
+                self._refuse(kind, f"{len(extra)} fields off the {kind} schema (e.g. {_show(extra[0])});"
+                                   f" allowed: {', '.join(fields)}")
+            required = set(fields) if kind == "manifest" else {"event"}
+            missing = sorted(required - set(obj))
+            if missing:
+                self._refuse(kind, f"missing fields {missing}")
+            out = {k: None if v is None and k not in required else self._field(kind, k, fields[k], v) for k, v in obj.items()}
+        return out, [float(v) for v in out.values() if type(v) in (int, float)]
 
     def _check_plain(self, kind: str, obj: object, path: str, depth: int, numbers: list[float]) -> int:
         """Leaves under `obj` (ResidencyViolation for anything off the allow-list); numbers collected in order."""
@@ -269,16 +407,13 @@ class ResidencyGuard:
                     self._refuse(kind, f"{path} holds more than {MAX_LEAVES} values")
             return leaves
         if t in (list, tuple):
-            limit = MAX_METRIC_LIST if kind == "metrics" else MAX_LIST
-            if len(obj) > limit:
-                self._refuse(kind, f"{path} is a list of {len(obj)} items (max {limit} in {kind})")
+            if len(obj) > MAX_LIST:
+                self._refuse(kind, f"{path} is a list of {len(obj)} items (max {MAX_LIST} in {kind})")
             nums = sum(1 for v in obj if type(v) in (int, float) or isinstance(v, (np.integer, np.floating)))
-            if kind != "metrics" and nums > MAX_NUMBERS_PER_LIST:
+            if nums > MAX_NUMBERS_PER_LIST:
                 self._refuse(kind, f"{path} is a list of {nums} numbers (max {MAX_NUMBERS_PER_LIST}): a data row, not a summary")
             leaves = 0
             for i, v in enumerate(obj):
-                if kind == "metrics" and type(v) in (list, tuple, dict):
-                    self._refuse(kind, f"{path}[{i}] nests a container in metrics")
                 leaves += self._check_plain(kind, v, f"{path}[{i}]", depth + 1, numbers)
             return leaves
         what = "a dataclass" if dataclasses.is_dataclass(obj) else f"a {t.__name__}"

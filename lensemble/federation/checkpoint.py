@@ -16,16 +16,23 @@ site's committed snapshot back over its working file, which the crashed round ma
 
 File format (one file, written atomically: temporary file in the same folder, flush, fsync,
 os.replace, fsync of the folder):
-    line 1   JSON header {"format", "version", "sha256", "meta_bytes", "tensor_bytes"}
+    line 1   JSON header {"format", "version", "sha256", "hmac_sha256", "key_id", "meta_bytes", "tensor_bytes"}
     then     `meta_bytes` of UTF-8 JSON: run id, round, site refs, numpy/python RNG states, history
     then     `tensor_bytes` of torch.save({"global", "momentum", "torch_rng"}), read back with
              torch.load(weights_only=True): tensors and plain containers only, never arbitrary pickles
-"sha256" covers meta and tensor bytes together. `load_checkpoint` refuses a file whose hash,
-sizes, run id or any referenced site snapshot do not verify with `IntegrityError` naming the file.
+"sha256" covers meta and tensor bytes together and detects corruption; anyone can recompute it.
+"hmac_sha256" = HMAC-SHA256(K, "<format>|<version>|<meta_bytes>|<tensor_bytes>\n" + meta + tensors)
+under the coordinator's key K (`keys/coordinator.hmac`: 32 random bytes, created mode 0600 on the
+first save, never in git or a DVC output) detects tampering: a file edited and re-hashed, or written
+under another coordinator's key. "key_id" (the first 16 hex digits of sha256(K)) only names the key
+in messages; it proves nothing. `load_checkpoint` refuses a file whose hash, MAC, sizes, run id or
+any referenced site snapshot do not verify, or whose key is missing, with `IntegrityError` naming
+the file.
 """
 from __future__ import annotations
 
 import hashlib
+import hmac
 import io
 import json
 import os
@@ -42,7 +49,8 @@ import torch
 from lensemble.errors import IntegrityError
 
 FORMAT = "lensemble-federation-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: keyed (HMAC-SHA256); version-1 files are refused
+KEY_BYTES = 32
 SITE_SNAPSHOT = "round-{:06d}.pt"
 _SITE_SNAPSHOT_RE = re.compile(r"^round-(\d{6})\.pt$")
 
@@ -186,6 +194,51 @@ def prune_site_states(site_dir: Path, keep: SiteStateRef) -> list[Path]:
     return removed
 
 
+# ---------------------------------------------------------------- coordinator key
+
+
+def coordinator_key_path(root: Path) -> Path:
+    """The coordinator's checkpoint key: `keys/` is git-ignored and no DVC stage writes it."""
+    return Path(root) / "keys" / "coordinator.hmac"
+
+
+def _read_key(key_path: Path) -> bytes:
+    key = Path(key_path).read_bytes()
+    if len(key) != KEY_BYTES:
+        raise IntegrityError(f"coordinator key {key_path} holds {len(key)} bytes, expected {KEY_BYTES}")
+    return key
+
+
+def coordinator_key(key_path: Path) -> bytes:
+    """The coordinator's HMAC key, created (32 random bytes, mode 0600, exclusively) if there is none."""
+    key_path = Path(key_path)
+    if not key_path.is_file():
+        key_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another writer created it first: use theirs
+            return _read_key(key_path)
+        with os.fdopen(fd, "wb") as f:
+            f.write(os.urandom(KEY_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(key_path.parent)
+    return _read_key(key_path)
+
+
+def key_id(key: bytes) -> str:
+    """A short public name of a key, for messages only."""
+    return hashlib.sha256(key).hexdigest()[:16]
+
+
+def _mac(key: bytes, n_meta: int, n_tensor: int, *payload) -> str:
+    """HMAC-SHA256 over the format, version and sizes, then the payload (meta + tensors, in parts)."""
+    m = hmac.new(key, f"{FORMAT}|{VERSION}|{n_meta}|{n_tensor}\n".encode(), hashlib.sha256)
+    for part in payload:
+        m.update(part)
+    return m.hexdigest()
+
+
 # ---------------------------------------------------------------- coordinator checkpoint
 
 
@@ -201,9 +254,11 @@ def _meta(ckpt: FederationCheckpoint, folder: Path) -> dict:
             "rng": {"numpy": ckpt.rng.numpy_state, "python": ckpt.rng.python_state}, "history": ckpt.history}
 
 
-def save_checkpoint(path: Path, ckpt: FederationCheckpoint) -> str:
-    """Commit `ckpt` to `path` atomically; returns the payload's sha256."""
+def save_checkpoint(path: Path, ckpt: FederationCheckpoint, key_path: Path) -> str:
+    """Commit `ckpt` to `path` atomically, MACed under the key at `key_path` (created if missing);
+    returns the payload's sha256."""
     path = Path(path)
+    key = coordinator_key(key_path)
     if ckpt.momentum is not None and set(ckpt.momentum) != set(ckpt.global_params):
         raise ValueError("momentum names differ from global parameter names")
     try:
@@ -214,14 +269,16 @@ def save_checkpoint(path: Path, ckpt: FederationCheckpoint) -> str:
     h = hashlib.sha256(meta)
     h.update(tensors)
     digest = h.hexdigest()
-    header = json.dumps({"format": FORMAT, "version": VERSION, "sha256": digest, "meta_bytes": len(meta), "tensor_bytes": len(tensors)}).encode()
+    mac = _mac(key, len(meta), len(tensors), meta, tensors)
+    header = json.dumps({"format": FORMAT, "version": VERSION, "sha256": digest, "hmac_sha256": mac, "key_id": key_id(key),
+                         "meta_bytes": len(meta), "tensor_bytes": len(tensors)}).encode()
     atomic_write(path, header + b"\n" + meta + tensors)
     return digest
 
 
-def _parse(path: Path, data: memoryview) -> tuple[dict, memoryview]:
-    """Header checks and the hash; (meta, tensor bytes) or IntegrityError. Views, not copies: the
-    tensor part is most of a large model's checkpoint."""
+def _parse(path: Path, data: memoryview, key: bytes) -> tuple[dict, memoryview]:
+    """Header checks, the hash and the MAC; (meta, tensor bytes) or IntegrityError. Views, not copies:
+    the tensor part is most of a large model's checkpoint."""
     newline = bytes(data[:4096]).find(b"\n")  # the header is one short JSON line
     head, body = (data[:newline], data[newline + 1 :]) if newline >= 0 else (data, None)
     try:
@@ -237,22 +294,32 @@ def _parse(path: Path, data: memoryview) -> tuple[dict, memoryview]:
         raise IntegrityError(f"checkpoint {path} is truncated or padded: {len(body)} payload bytes, header says {n_meta} + {n_tensor}")
     if hashlib.sha256(body).hexdigest() != header.get("sha256"):
         raise IntegrityError(f"checkpoint {path} fails its sha256 check (corrupted)")
+    mac = header.get("hmac_sha256")
+    if not isinstance(mac, str) or not hmac.compare_digest(_mac(key, n_meta, n_tensor, body), mac):
+        if header.get("key_id") != key_id(key):
+            raise IntegrityError(f"checkpoint {path} fails its HMAC check: written under another coordinator key "
+                                 f"(key id {str(header.get('key_id'))[:16]!r}, ours {key_id(key)!r}) or tampered with")
+        raise IntegrityError(f"checkpoint {path} fails its HMAC check: tampered with (its sha256 was recomputed)")
     try:
         return json.loads(bytes(body[:n_meta])), body[n_meta:]
     except ValueError:  # the hash matched, so the writer produced this: still never load it
         raise IntegrityError(f"checkpoint {path} has unreadable metadata") from None
 
 
-def load_checkpoint(path: Path, expected_run: str) -> FederationCheckpoint | None:
+def load_checkpoint(path: Path, expected_run: str, key_path: Path) -> FederationCheckpoint | None:
     """The committed checkpoint at `path`, None if there is none; IntegrityError if it does not verify.
 
-    Verified before anything is used: header, sizes, sha256, run id, then every referenced site
-    snapshot's sha256. A temporary file left by a crash is never read.
+    Verified before anything is used: the coordinator key at `key_path` exists, header, sizes,
+    sha256, HMAC, run id, then every referenced site snapshot's sha256. A temporary file left by a
+    crash is never read.
     """
     path = Path(path)
     if not path.is_file():
         return None
-    meta, tensor_bytes = _parse(path, memoryview(path.read_bytes()))
+    if not Path(key_path).is_file():
+        raise IntegrityError(f"checkpoint {path} exists but the coordinator key {key_path} that signed it is missing; "
+                             f"restore the key, or move the checkpoint away to start this run fresh")
+    meta, tensor_bytes = _parse(path, memoryview(path.read_bytes()), _read_key(key_path))
     if meta.get("run_id") != expected_run:
         raise IntegrityError(f"checkpoint {path} belongs to run {meta.get('run_id')!r}, not {expected_run!r}; move it away to start this run fresh")
     refs = {s: SiteStateRef((path.parent / r["path"]).resolve(), r["sha256"], int(r["round"])) for s, r in meta["site_states"].items()}

@@ -87,6 +87,25 @@ def scales_from_absmax(absmax_B: torch.Tensor) -> torch.Tensor:
     return torch.where(absmax_B < FLUSH_BELOW, torch.zeros_like(scales), scales)
 
 
+def robust_absmax(absmax_CB: torch.Tensor, factor: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared grid's absmax, robust to one outlier: [C, nb] fp32 -> ([nb] fp32, [C, nb] bool capped).
+
+    A_b = max_c min(a_{c,b}, cap_b), cap_b = fp32(factor · a_(2),b), a_(2),b the second-largest a_{c,b}
+    (the product in fp64, rounded once). Every min returns one of its inputs, so when no announcement
+    exceeds its cap A_b = max_c a_{c,b} bit for bit; factor None is the uncapped max. One site alone
+    (C = 1) has nothing to compare with: its own absmax, uncapped. A block that only one site moves
+    (every other announces 0) is capped to 0: no single site moves a block on its own. `capped`
+    marks the (site, block) announcements above the cap.
+    """
+    if absmax_CB.dim() != 2 or absmax_CB.dtype != torch.float32:
+        raise ValueError(f"expected [C, nb] fp32 announcements, got shape {tuple(absmax_CB.shape)} dtype {absmax_CB.dtype}")
+    if absmax_CB.shape[0] < 2 or factor is None:
+        return absmax_CB.amax(dim=0), torch.zeros_like(absmax_CB, dtype=torch.bool)
+    second_B = absmax_CB.topk(2, dim=0).values[1]
+    cap_B = (second_B.to(torch.float64) * factor).to(torch.float32)
+    return torch.minimum(absmax_CB, cap_B).amax(dim=0), absmax_CB > cap_B
+
+
 def quantize_with_scales(
     x_N: torch.Tensor, scales_B: torch.Tensor, block: int, generator: torch.Generator | None = None
 ) -> torch.Tensor:

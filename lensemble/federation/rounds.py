@@ -17,7 +17,11 @@ sends its grid; every site encodes; the outer step verifies and averages. A site
 (raise, timeout) or whose message does not verify (an `IntegrityError` naming it in `.site`) is
 dropped and the attempt is redone with the survivors (`drop_policy="continue"`), or the round
 aborts (`"abort"`); nothing of a dropped site is ever half-applied, because the parameters change
-only when a whole attempt held. Flower's strategy design is the model: one loop, variants differ
+only when a whole attempt held. An attempt that fails a check naming no site (`AttemptAborted`: an
+unmasked sum out of range, a copied key share; under masking the culprit is not identifiable) is
+recorded (`RoundResult.aborts`, a warning in the log) and redone once with fresh keys and the same
+sites; a second one, or the first under `"abort"`, fails the round with an IntegrityError and the
+federation stops (INV-BOUNDED-INFLUENCE). Flower's strategy design is the model: one loop, variants differ
 in the pool and the outer step they plug in.
 
 The `Transport` classes (transport.py, secure_transport.py) implement both codec halves, since the
@@ -26,6 +30,7 @@ two sides share one wire format; in a federation every instance plays one role (
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,11 +41,14 @@ import torch
 
 from lensemble.errors import IntegrityError, ParticipantDropped
 from lensemble.federation.outer import aggregate_and_step
-from lensemble.federation.transport import Accepted, FusedKernel, ParamSpec, RoundContext
+from lensemble.federation.transport import Accepted, AttemptAborted, FusedKernel, ParamSpec, RoundContext
 
 State = dict[str, torch.Tensor]
 Failures = dict[str, str]
 """site -> why its step did not come back ("<ExceptionType>: message")."""
+MAX_ABORTS = 1
+"""Aborted attempts (`AttemptAborted`) a round redoes before it fails: one retry with fresh keys."""
+_log = logging.getLogger("lensemble.rounds")
 
 
 @runtime_checkable
@@ -65,6 +73,7 @@ class AggregatorCodec(Protocol):
     def verify(self, ctx: RoundContext, payloads: Mapping[str, bytes]) -> Accepted: ...
     def mean_into(self, ctx: RoundContext, accepted: Accepted, start: int, out_n: np.ndarray) -> None: ...
     def fused_kernel(self, ctx: RoundContext, accepted: Accepted, lr: float, momentum: float) -> FusedKernel | None: ...
+    def capped_blocks(self, ctx: RoundContext) -> Mapping[str, int]: ...
 
 
 class SitePool(Protocol):
@@ -118,6 +127,10 @@ class RoundResult:
     encode_seconds: Mapping[str, float | None]
     outer_seconds: float
     dropped: Mapping[str, str] = field(default_factory=dict)
+    aborts: tuple[str, ...] = ()
+    """Why each aborted attempt of this round was redone (AttemptAborted messages)."""
+    capped: Mapping[str, int] = field(default_factory=dict)
+    """Per site, the blocks whose announced absmax the grid agreement capped (its values saturated there)."""
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -150,7 +163,8 @@ def _attempt(ctx: RoundContext, sites: SitePool, aggregator: AggregatorCodec, pa
     payloads = {site: encoded[site][0] for site in ctx.site_ids}
     new_params, new_momentum, seconds = outer(ctx, aggregator, payloads, params, momentum)
     return RoundResult(ctx, new_params, new_momentum, dict(setup), {s: len(a) for s, a in announcements.items()},
-                       {s: len(p) for s, p in payloads.items()}, {s: encoded[s][1] for s in ctx.site_ids}, seconds), {}
+                       {s: len(p) for s, p in payloads.items()}, {s: encoded[s][1] for s in ctx.site_ids}, seconds,
+                       capped=dict(aggregator.capped_blocks(ctx))), {}
 
 
 def run_round(run_id: str, round_idx: int, survivors: Sequence[str], spec: ParamSpec, sites: SitePool, aggregator: AggregatorCodec,
@@ -158,9 +172,11 @@ def run_round(run_id: str, round_idx: int, survivors: Sequence[str], spec: Param
     """The exchange and the outer step of one round, redone with the survivors until an attempt holds.
 
     ParticipantDropped when every site dropped, or at the first failure under `drop_policy="abort"`;
-    an IntegrityError that names no site of the round propagates.
+    IntegrityError after MAX_ABORTS + 1 aborted attempts (the first under `"abort"`); an IntegrityError
+    that names no site of the round propagates.
     """
     dropped: Failures = {}
+    aborts: list[str] = []
     survivors = sorted(survivors)
     while True:
         if not survivors:
@@ -168,12 +184,21 @@ def run_round(run_id: str, round_idx: int, survivors: Sequence[str], spec: Param
         ctx = RoundContext(run_id, round_idx, tuple(survivors), spec)
         try:
             result, failed = _attempt(ctx, sites, aggregator, params, momentum, outer)
+        except AttemptAborted as exc:
+            aborts.append(str(exc))
+            _log.warning("round %d: attempt aborted, nothing applied (%d of %d allowed): %s", round_idx, len(aborts),
+                         MAX_ABORTS, exc)
+            if drop_policy == "abort" or len(aborts) > MAX_ABORTS:
+                raise IntegrityError(f"round {round_idx}: {len(aborts)} attempt(s) aborted by a check that names no site;"
+                                     f" the federation stops (find the corrupt site out of band): {exc}") from exc
+            sites.next_attempt()
+            continue
         except IntegrityError as exc:
             if exc.site not in survivors:
                 raise
             result, failed = None, {exc.site: f"IntegrityError: {exc}"}
         if result is not None:
-            return RoundResult(**{**vars(result), "dropped": dropped})
+            return RoundResult(**{**vars(result), "dropped": dropped, "aborts": tuple(aborts)})
         if drop_policy == "abort":
             raise ParticipantDropped(f"round {round_idx}: sites failed {failed}; federate.drop_policy is abort")
         dropped.update(failed)

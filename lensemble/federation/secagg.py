@@ -13,6 +13,16 @@ the wire), 16 909 320 for k = 32. `check_ring_capacity` raises ConfigError beyon
 weight their update *before* quantizing (see `secure_transport`), so no integer weights enlarge the
 range.
 
+Range check. Honest codes keep the signed sum in [-127 C, 127 C], so a sum outside it can only come
+from a corrupted contribution (a validly signed random body, a mask computed from keys the site does
+not hold, codes beyond ±127). `out_of_range` counts such elements; the aggregator aborts the round on
+any (fail closed). Under masking the culprit is not identifiable: every body looks uniform.
+
+Key validation. An ephemeral X25519 public key of small order (the all-zero key and the other
+points of order dividing 8, in any encoding) makes every pair secret with it all-zero, so its
+"mask" would be known to everyone and the key agreement fails; `check_public_key` refuses such
+keys, and the wrong length, with an IntegrityError naming the sender, before any mask is drawn.
+
 Dropout is handled by re-keying, not by Shamir recovery: if a site is missing, the aggregator
 applies nothing and raises ParticipantDropped; the round is rerun with the survivors, which draw
 fresh keys, so no mask of the dropped site is ever needed or half-applied.
@@ -33,7 +43,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from lensemble.errors import ConfigError
+from lensemble.errors import ConfigError, IntegrityError
 from lensemble.federation.quant import QMAX
 
 RING_BITS = (16, 32)
@@ -72,6 +82,22 @@ def session_id(run_id: str, round_idx: int, public_keys: Mapping[str, bytes]) ->
     roster = [[site, public_keys[site].hex()] for site in sorted(public_keys)]
     raw = json.dumps([run_id, round_idx, roster], separators=(",", ":")).encode()
     return hashlib.sha256(raw).hexdigest()[:32]
+
+
+def check_public_key(site: str, public: bytes) -> None:
+    """IntegrityError naming `site` unless `public` is a 32-byte X25519 key of large order.
+
+    X25519 clamps every private scalar to a multiple of 8, so the shared secret with a small-order
+    point is the all-zero string, which `cryptography` refuses (ValueError). One exchange with a
+    throwaway key therefore tests membership in the small-order set, non-canonical encodings included.
+    """
+    if len(public) != 32:
+        raise IntegrityError(f"key share from {site!r} has a {len(public)}-byte X25519 key, expected 32", site=site)
+    try:
+        X25519PrivateKey.generate().exchange(X25519PublicKey.from_public_bytes(bytes(public)))
+    except ValueError:
+        raise IntegrityError(f"key share from {site!r} has a small-order X25519 public key (all-zero shared secret)",
+                             site=site) from None
 
 
 def pair_info(run_id: str, round_idx: int, site_a: str, site_b: str, session: str) -> bytes:
@@ -125,7 +151,10 @@ def site_mask(
     for peer in sorted(public_keys):
         if peer == site:
             continue
-        key = pair_key(private_key, public_keys[peer], pair_info(run_id, round_idx, site, peer, session))
+        try:
+            key = pair_key(private_key, public_keys[peer], pair_info(run_id, round_idx, site, peer, session))
+        except ValueError:  # a small-order key that reached a site unchecked: name its sender, not a bare ValueError
+            raise IntegrityError(f"key share from {peer!r} has a small-order X25519 public key", site=peer) from None
         keystream_into(key, zeros, memoryview(m_N).cast("B"))
         if site < peer:
             np.add(mask_N, m_N, out=mask_N)
@@ -167,3 +196,22 @@ def from_ring(total_N: np.ndarray, ring_bits: int) -> np.ndarray:
     Exact when the true sum lies in [-(2^(k-1) - 1), 2^(k-1) - 1], which `check_ring_capacity` ensures.
     """
     return total_N.view(_SIGNED_DTYPE[ring_bits])
+
+
+def sum_bound(num_sites: int) -> int:
+    """The largest |Σ_c q_c| honest int8 codes of `num_sites` sites can give: 127 C."""
+    return QMAX * num_sites
+
+
+def out_of_range(total_n: np.ndarray, num_sites: int, ring_bits: int) -> int:
+    """How many ring sums, read as signed integers, lie outside [-127 C, 127 C]: [n] uint -> count.
+
+    Two reductions over the slice (min, max); the count is only taken when one of them is out.
+    """
+    signed_n = from_ring(total_n, ring_bits)
+    if not signed_n.size:
+        return 0
+    bound = sum_bound(num_sites)
+    if -bound <= int(signed_n.min()) and int(signed_n.max()) <= bound:
+        return 0
+    return int(np.count_nonzero((signed_n < -bound) | (signed_n > bound)))

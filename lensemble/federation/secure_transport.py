@@ -17,14 +17,26 @@ scales goes the other way). For k = 16 and large N this is 2 + 4/block bytes per
 (2.001 at block 4096), against 4 for fp32 and 1 + 4/block for int8.
 
 secure_int8 protocol. `begin_round` draws fresh X25519 keys per site, signed with the site's
-Ed25519 key. Each site announces the per-block absmax of its *weighted* update w_c Δ_c; `agree`
-fixes the shared grid s_b = max_c absmax_{c,b} / 127. Each site quantizes w_c Δ_c on that grid,
-adds its pairwise mask in Z_{2^k} and signs. The aggregator verifies every signature, sums the
-masked vectors exactly in the ring (the masks cancel), reads the signed integer sum Σ_c q_c and
-returns Δ̄ = (Σ_c q_c) · s_b. Pre-weighting means no integer weights widen the ring; the error of Δ̄
-against Σ_c w_c Δ_c is at most C · s_b · (1/2 + 2^-15) per element (the bound of `quant`, once per
-site), plus the fp32 roundings of w_c Δ_c and of Δ̄ (2^-24 relative each). For "int8" it is
-Σ_c w_c · s_{c,b} · (1/2 + 2^-15), with each site's own scales s_{c,b}.
+Ed25519 key; `accept_shares` refuses a small-order key (IntegrityError naming the sender) and aborts
+the attempt when two sites present the same key (`AttemptAborted`; a site that finds its own key
+under another name names that site). Each site announces the per-block absmax a_{c,b} of its
+*weighted* update w_c Δ_c; `agree` fixes the shared grid robustly to one outlier:
+
+    s_b = max_c min(a_{c,b}, f · a_(2),b) / 127        (C >= 2; a_(2),b the second-largest announcement)
+
+with f = `outlier_factor` (params `federate.announce_outlier_factor`, default 4, which every
+federation passes; f · a_(2) is rounded once to fp32; None, the class default for in-process
+simulations, is the uncapped grid max_c a_{c,b} / 127). When every announcement is within f of
+the second-largest this is max_c a_{c,b}, the plain grid, bit for bit. A site whose absmax exceeds the cap has its values saturated at ±127 codes
+(its own loss; `capped_blocks` records it). With C = 1 there is nothing to compare and the grid is
+the site's own. Each site quantizes w_c Δ_c on the grid, adds its pairwise mask in Z_{2^k} and signs.
+The aggregator verifies every signature, sums the masked vectors exactly in the ring (the masks
+cancel), checks that every signed sum Σ_c q_c lies in [-127 C, 127 C] (else `AttemptAborted`: nothing
+applied) and returns Δ̄ = (Σ_c q_c) · s_b. Pre-weighting means no integer weights widen the ring;
+the error of Δ̄ against Σ_c w_c Δ_c is at most C · s_b · (1/2 + 2^-15) per element (the bound of
+`quant`, once per site; no site saturated), plus the fp32 roundings of w_c Δ_c and of Δ̄ (2^-24
+relative each). For "int8" it is Σ_c w_c · s_{c,b} · (1/2 + 2^-15), with each site's own scales.
+What one malicious site can do to Δ̄ (INV-BOUNDED-INFLUENCE): docs/THREAT_MODEL.md.
 Leaks: each site's per-block absmax of w_c Δ_c (a norm, 4 bytes per block) goes to the aggregator.
 
 Dropout: a missing announcement or update raises ParticipantDropped before anything is applied;
@@ -39,9 +51,10 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -52,18 +65,21 @@ from lensemble.errors import ConfigError, IntegrityError
 from lensemble.federation import native, secagg
 from lensemble.federation.quant import (
     DEFAULT_BLOCK, MAX_ABS, block_absmax, dequantize_range, num_blocks, quantize_int8, quantize_with_scales,
-    scales_from_absmax,
+    robust_absmax, scales_from_absmax,
 )
 from lensemble.federation.signing import (
-    SIGNATURE_BYTES, ReplayGuard, aggregation_context, check_binding, check_roster, open_signed, public_keys,
+    SIGNATURE_BYTES, ReplayGuard, aggregation_context, check_binding, check_roster, key_fingerprint, open_signed,
     raise_if_missing, sign, verify_updates,
 )
 from lensemble.federation.transport import (
-    Accepted, FusedKernel, ParamSpec, RoundContext, Transport, check_delta, flatten, pack_header, spec_hash, spec_numel,
-    unpack_header,
+    Accepted, AttemptAborted, FusedKernel, ParamSpec, RoundContext, Transport, check_delta, flatten, pack_header,
+    spec_hash, spec_numel, unpack_header,
 )
 
 KEY_BYTES = 32
+RANGE_CHUNK = 1 << 18
+"""Parameters per slice of the aggregator's range check: the slice's ring sum stays in cache."""
+_log = logging.getLogger("lensemble.federation")
 _HEX = 32  # length of every hex nonce / session / grid id in a header
 
 
@@ -153,31 +169,60 @@ def _read_f32(body: memoryview, site: str, what: str) -> torch.Tensor:
 
 
 class _SignedTransport(Transport):
-    """Holds every site's signing key (the sites' side) and their public keys (the aggregator's side).
+    """Holds the signing keys of the sites it plays and the public keys of the sites it checks.
 
-    Without `site_keys`, a site is enrolled (key drawn, public half registered) the first time it signs.
+    No key is trusted on first use (INV-PINNED-KEYS): a party holds the signing keys it is given
+    (`site_keys`) and takes the others' public keys through `register` only. With `pins` (site ->
+    SHA-256 hex of the raw public key, as params pin them) `register` refuses a site without a pin
+    and a key whose fingerprint is not the pinned one, and a party whose own key is not the pinned
+    one refuses to start (IntegrityError naming the site, each). `site_keys=None` is a simulation in
+    which this one object plays every party: `begin_round` draws each site's key and registers it
+    itself, so no message from outside can introduce a key.
     """
 
-    def __init__(self, site_keys: Mapping[str, Ed25519PrivateKey] | None = None, *, block: int = DEFAULT_BLOCK) -> None:
+    def __init__(self, site_keys: Mapping[str, Ed25519PrivateKey] | None = None, *, block: int = DEFAULT_BLOCK,
+                 pins: Mapping[str, str] | None = None) -> None:
         num_blocks(0, block)  # ValueError for a non-positive block
         self.block = block
-        self._enroll = site_keys is None
+        self._simulated = site_keys is None
+        self._pins = None if pins is None else dict(pins)
         self._site_keys = dict(site_keys or {})
-        self._registry = public_keys(self._site_keys)
+        self._registry: dict = {}
+        for site, key in sorted(self._site_keys.items()):
+            self._check_pin(site, key.public_key(), "its own signing key")
+            self._registry[site] = key.public_key()
         self._guard = ReplayGuard()
 
+    def _check_pin(self, site: str, public_key, what: str) -> None:
+        if self._pins is None:
+            return
+        if site not in self._pins:
+            raise IntegrityError(f"site {site!r} has no pinned key fingerprint in params: unknown site, key refused", site=site)
+        fingerprint = key_fingerprint(public_key)
+        if fingerprint != self._pins[site]:
+            raise IntegrityError(f"site {site!r}: {what} has fingerprint {fingerprint}, not the pinned {self._pins[site]}", site=site)
+
     def register(self, site: str, public_key) -> None:
-        """Add a site's Ed25519 public key to the registry (a party holding only its own signing key)."""
+        """Add a site's Ed25519 public key to the registry: pinned (when pins are set) and never swapped."""
+        self._check_pin(site, public_key, "the signing key presented")
         if site in self._registry and self._registry[site].public_bytes_raw() != public_key.public_bytes_raw():
             raise IntegrityError(f"site {site!r} presented a different signing key from the one registered", site=site)
         self._registry[site] = public_key
 
+    def begin_round(self, ctx: RoundContext) -> dict[str, int]:
+        """Every party in this object: in a simulation, first draw and register the key of each new site."""
+        if self._simulated:
+            for site in ctx.site_ids:
+                if site not in self._site_keys:
+                    key = Ed25519PrivateKey.generate()
+                    self.register(site, key.public_key())
+                    self._site_keys[site] = key
+        return super().begin_round(ctx)
+
     def _signing_key(self, site: str) -> Ed25519PrivateKey:
         if site not in self._site_keys:
-            if not self._enroll:
-                raise ConfigError(f"no Ed25519 signing key for site {site!r}; pass it in site_keys")
-            self._site_keys[site] = Ed25519PrivateKey.generate()
-            self._registry[site] = self._site_keys[site].public_key()
+            raise ConfigError(f"no Ed25519 signing key for site {site!r}; pass it in site_keys"
+                              + (" (a simulation draws it in begin_round)" if self._simulated else ""))
         return self._site_keys[site]
 
 
@@ -227,6 +272,8 @@ class _Attempt:
     absmax_B: torch.Tensor | None = None
     scales_B: torch.Tensor | None = None
     grid: str = ""
+    announced: dict[str, torch.Tensor] = field(default_factory=dict)  # the absmax each site played here announced
+    capped: dict[str, int] = field(default_factory=dict)  # aggregator: site -> blocks whose announcement was capped
 
 
 class SecureInt8Transport(_SignedTransport):
@@ -246,10 +293,15 @@ class SecureInt8Transport(_SignedTransport):
         *,
         block: int = DEFAULT_BLOCK,
         ring_bits: int = 16,
+        pins: Mapping[str, str] | None = None,
+        outlier_factor: float | None = None,
     ) -> None:
-        super().__init__(site_keys, block=block)
+        super().__init__(site_keys, block=block, pins=pins)
         secagg.ring_dtype(ring_bits)  # ConfigError for an unsupported ring
+        if outlier_factor is not None and not outlier_factor >= 1.0:
+            raise ConfigError(f"secure_int8: outlier_factor must be >= 1, got {outlier_factor}")
         self.ring_bits = ring_bits
+        self.outlier_factor = outlier_factor
         self._attempt: _Attempt | None = None
         self._ephemeral: dict[tuple[str, int, tuple[str, ...], str], X25519PrivateKey] = {}  # (run, round, roster, site)
         self._ring_scratch = np.empty(0, dtype=secagg.ring_dtype(ring_bits))
@@ -271,7 +323,12 @@ class SecureInt8Transport(_SignedTransport):
         return public + sign(self._signing_key(site), key_message(ctx.run_id, ctx.round_idx, site, public))[-SIGNATURE_BYTES:]
 
     def accept_shares(self, ctx: RoundContext, shares: Mapping[str, bytes]) -> dict[str, int]:
-        """Check every site's key share against its Ed25519 key (it stops a man in the middle); fix the session."""
+        """Check every site's key share (it stops a man in the middle and a small-order key); fix the session.
+
+        Per sender, in sorted order: length, Ed25519 signature, a large-order X25519 key (IntegrityError
+        naming it). Then no two sites may present the same key: a party that drew the key itself names
+        the other site; the aggregator cannot tell who copied whom and aborts the attempt.
+        """
         secagg.check_ring_capacity(len(ctx.site_ids), self.ring_bits)
         check_roster(ctx, shares)
         raise_if_missing(ctx, shares, "key share")
@@ -282,19 +339,37 @@ class SecureInt8Transport(_SignedTransport):
                 raise IntegrityError(f"key share from {site!r} has {len(wire)} bytes, expected {KEY_BYTES + SIGNATURE_BYTES}", site=site)
             key = bytes(wire[:KEY_BYTES])
             open_signed(key_message(ctx.run_id, ctx.round_idx, site, key) + bytes(wire[KEY_BYTES:]), site, self._registry)
+            secagg.check_public_key(site, key)
             public[site] = key
+        self._check_distinct(ctx, public)
         self._attempt = _Attempt(ctx, public, secagg.session_id(ctx.run_id, ctx.round_idx, public))
         return {site: len(shares[site]) for site in ctx.site_ids}
+
+    def _check_distinct(self, ctx: RoundContext, public: Mapping[str, bytes]) -> None:
+        """IntegrityError naming a site that presents another's X25519 key, or AttemptAborted when no party here drew it."""
+        holders: dict[bytes, list[str]] = {}
+        for site in ctx.site_ids:
+            holders.setdefault(public[site], []).append(site)
+        for key, sites in holders.items():
+            if len(sites) < 2:
+                continue
+            for owner in sites:  # a site this object plays, whose own ephemeral key this is
+                mine = self._ephemeral.get((ctx.run_id, ctx.round_idx, ctx.site_ids, owner))
+                if mine is not None and mine.public_key().public_bytes_raw() == key:
+                    copier = next(s for s in sites if s != owner)
+                    raise IntegrityError(f"key share from {copier!r} copies the X25519 key of {owner!r}", site=copier)
+            raise AttemptAborted(f"round {ctx.round_idx}: sites {sites} present the same X25519 key; one copied"
+                                 " the other's, which the aggregator cannot tell apart; attempt aborted", suspects=tuple(sites))
 
     def announce(self, ctx: RoundContext, site: str, delta: Mapping[str, torch.Tensor]) -> bytes:
         """The per-block absmax of w_c Δ_c, signed and bound to this attempt."""
         attempt = self._current(ctx, agreed=False)
-        absmax_B = block_absmax(_site_vector(ctx, site, delta, weighted=True), self.block)
+        absmax_B = attempt.announced[site] = block_absmax(_site_vector(ctx, site, delta, weighted=True), self.block)
         header = announce_header(ctx.run_id, ctx.round_idx, site, ctx.spec, attempt.session)
         return sign(self._signing_key(site), pack_header(header) + absmax_B.numpy().astype("<f4").tobytes())
 
     def agree(self, ctx: RoundContext, announcements: Mapping[str, bytes]) -> None:
-        """Fix the shared grid s_b = max_c absmax_{c,b} / 127 (max is exact, so order does not matter)."""
+        """Fix the shared grid s_b = max_c min(a_{c,b}, f · a_(2),b) / 127 (module docstring; exact, order-free)."""
         attempt = self._current(ctx, agreed=False)
         check_roster(ctx, announcements)
         nb = num_blocks(spec_numel(ctx.spec), self.block)
@@ -306,7 +381,12 @@ class SecureInt8Transport(_SignedTransport):
                 raise IntegrityError(f"announcement from {site!r} has {len(body)} bytes, expected {4 * nb}", site=site)
             absmax_CB.append(_read_f32(body, site, "block absmax values"))
         raise_if_missing(ctx, announcements, "announcement")
-        attempt.absmax_B = torch.stack(absmax_CB).amax(dim=0)
+        attempt.absmax_B, capped_CB = robust_absmax(torch.stack(absmax_CB), self.outlier_factor)
+        counts = capped_CB.sum(dim=1).tolist()
+        attempt.capped = {site: int(n) for site, n in zip(sorted(announcements), counts) if n}
+        for site, n in attempt.capped.items():
+            _log.warning("round %d: %s announced an absmax above %g x the second-largest in %d of %d blocks; capped, its"
+                         " values there saturate at ±127 codes", ctx.round_idx, site, self.outlier_factor, n, nb)
         attempt.scales_B = scales_from_absmax(attempt.absmax_B)
         attempt.grid = hashlib.sha256(attempt.scales_B.numpy().astype("<f4").tobytes()).hexdigest()[:_HEX]
 
@@ -328,7 +408,8 @@ class SecureInt8Transport(_SignedTransport):
         """Quantize w_c Δ_c on the shared grid, add the pairwise mask in Z_{2^k}, sign."""
         attempt = self._current(ctx, agreed=True)
         x_N = _site_vector(ctx, site, delta, weighted=True)
-        if (block_absmax(x_N, self.block) > attempt.absmax_B).any():
+        # against what the site announced: a capped block (an outlier) saturates instead of failing here
+        if (block_absmax(x_N, self.block) > attempt.announced.get(site, attempt.absmax_B)).any():
             raise ValueError(f"secure_int8: the update of {site!r} changed between announce and encode")
         q_N = quantize_with_scales(x_N, attempt.scales_B, self.block)
         private = self._ephemeral.get((ctx.run_id, ctx.round_idx, ctx.site_ids, site))
@@ -358,7 +439,32 @@ class SecureInt8Transport(_SignedTransport):
             ctx, payloads, self._registry, expected_header, dtype.itemsize * spec_numel(ctx.spec), self._guard,
             aggregation_context(ctx, f"secure_int8/{attempt.session}/{attempt.grid}"),
         )
+        bad = self.sum_out_of_range(ctx, bodies)
+        if bad:
+            raise AttemptAborted(
+                f"round {ctx.round_idx}: the unmasked sum of {len(bodies)} updates lies outside ±127·{len(bodies)} at {bad}"
+                f" of {spec_numel(ctx.spec)} parameters; a contribution is corrupt (under masking no site can be named);"
+                " nothing applied", suspects=tuple(sorted(bodies)))
         return Accepted(bodies)
+
+    def sum_out_of_range(self, ctx: RoundContext, bodies: Mapping[str, memoryview]) -> int:
+        """How many unmasked sums Σ_c q_c lie outside [-127 C, 127 C] (C = len(bodies)); slice by slice, in cache."""
+        dtype = secagg.ring_dtype(self.ring_bits)
+        vectors = [np.frombuffer(bodies[site], dtype=dtype) for site in sorted(bodies)]
+        n = spec_numel(ctx.spec)
+        if self._ring_scratch.shape[0] < min(n, RANGE_CHUNK) or self._ring_scratch.dtype != dtype:
+            self._ring_scratch = np.empty(min(n, RANGE_CHUNK), dtype=dtype)
+        bad = 0
+        for a in range(0, n, RANGE_CHUNK):
+            b = min(n, a + RANGE_CHUNK)
+            total_n = secagg.ring_sum([v[a:b] for v in vectors], self.ring_bits, out=self._ring_scratch[: b - a])
+            bad += secagg.out_of_range(total_n, len(vectors), self.ring_bits)
+        return bad
+
+    def capped_blocks(self, ctx: RoundContext) -> dict[str, int]:
+        """Per site, the blocks of this attempt whose announcement `agree` capped (its values saturate there)."""
+        attempt = self._attempt
+        return dict(attempt.capped) if attempt is not None and attempt.ctx == ctx else {}
 
     def fused_kernel(self, ctx: RoundContext, accepted: Accepted, lr: float, momentum: float) -> FusedKernel | None:
         """`native.lens_secure16_step` over this round's bodies (16-bit ring, a C compiler present), else None.

@@ -40,6 +40,11 @@ def public_keys(site_keys: Mapping[str, Ed25519PrivateKey]) -> dict[str, Ed25519
     return {site: key.public_key() for site, key in site_keys.items()}
 
 
+def key_fingerprint(public_key: Ed25519PublicKey) -> str:
+    """SHA-256 (hex) of the raw 32-byte Ed25519 public key: what params pin (`data.sites[].key_fingerprint`)."""
+    return hashlib.sha256(public_key.public_bytes_raw()).hexdigest()
+
+
 def sign(key: Ed25519PrivateKey, message: bytes) -> bytes:
     """message || Ed25519(key, LABEL || SHA-256(message))."""
     return message + key.sign(_SIGN_LABEL + hashlib.sha256(message).digest())

@@ -134,6 +134,17 @@ def unpack_header(payload: bytes, site: str) -> tuple[dict, memoryview]:
     return header, memoryview(payload)[4 + n :]
 
 
+class AttemptAborted(IntegrityError):
+    """A round attempt failed a check that names no culprit (INV-BOUNDED-INFLUENCE): an unmasked sum out
+    of range, two sites with the same key share. Nothing was applied; the round driver records it and
+    redoes the attempt with fresh keys, once (`rounds.run_round`). `suspects`: the sites it may involve.
+    """
+
+    def __init__(self, message: str, *, suspects: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.suspects = suspects
+
+
 @dataclass(frozen=True)
 class Accepted:
     """What the aggregator accepted in one round: each site's verified body, in sorted site order.
@@ -202,6 +213,10 @@ class Transport(ABC):
     def fused_kernel(self, ctx: RoundContext, accepted: Accepted, lr: float, momentum: float) -> FusedKernel | None:
         """A native one-pass average + outer step over slices, if this transport has one (none by default)."""
         return None
+
+    def capped_blocks(self, ctx: RoundContext) -> dict[str, int]:
+        """Aggregator side, after `agree`: per site, the blocks whose announcement was capped (none by default)."""
+        return {}
 
     def aggregate(self, ctx: RoundContext, payloads: Mapping[str, bytes]) -> dict[str, torch.Tensor]:
         """Verify every payload and return Δ̄ = Σ_c w_c Δ_c (fp32), deterministically."""
