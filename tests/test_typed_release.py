@@ -477,3 +477,17 @@ def test_at_least_forty_attacks():
     n = (len(UPDATE_ATTACKS) + len(PROBE_ATTACKS) + len(METRICS_ATTACKS) + len(MANIFEST_ATTACKS) + len(LOG_ATTACKS)
          + len(PAYLOAD_ATTACKS) + len(NAME_ATTACKS) + len(BODY_ATTACKS))
     assert n >= 40
+
+
+def test_early_adamw_steps_whose_size_sits_on_the_pixel_grid_pass():
+    """Two AdamW steps at lr 0.002 move many weights by ~1/255 (one level of the k/255 grid, within
+    1e-6): a step size that sits on a grid by chance is not an image (found in the 16-site run)."""
+    from lensemble.data.residency import on_pixel_grid
+
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(20_000, generator=gen) * 1e-3
+    steps = 1.0 / 255.0 + torch.randn(2_000, generator=gen) * 3e-7
+    values[::10] = steps * torch.where(torch.rand(2_000, generator=gen) < 0.5, -1.0, 1.0)
+    assert not on_pixel_grid(values)
+    values[5_000:5_064] = torch.randint(1, 256, (64,), generator=gen).float() / 255.0  # a pixel row among them
+    assert on_pixel_grid(values)

@@ -74,6 +74,7 @@ MAX_LEAVES = 50_000
 PIXEL_GRID_SHARE = 0.9  # share of nonzero values of a message on an 8-bit pixel grid that means "frames"
 PIXEL_TOL = 1e-4  # |scaled - integer| of a value on a pixel grid (fp32 rounding of k/255 or k/127.5 - 1 is ~1e-5)
 PIXEL_RUN = 16  # consecutive nonzero values on one pixel grid: a pixel row, never chance (p ~ 1e-4 per value)
+PIXEL_MIN_LEVELS = 4  # distinct grid levels among the on-grid values: fewer is a step size that happens to sit on the grid (2 AdamW steps at lr 0.002 land within 1e-6 of 1/255)
 PIXEL_SIGMAS = 8.0  # on-grid count above chance (binomial, 2 * PIXEL_TOL per in-range value) that means "pixels"
 INT32 = 1 << 31
 FP32_MAX = float(np.finfo(np.float32).max)
@@ -151,6 +152,8 @@ def on_pixel_grid(values) -> bool:
     (a pixel row hidden among real deltas), or (c) more are than chance explains: a continuous value in
     range lands within PIXEL_TOL of an integer with p = 2 * PIXEL_TOL, so a count above
     mean + PIXEL_SIGMAS * sd + PIXEL_RUN means pixels spread over many tensors or broken into short runs.
+    Each needs the on-grid values to take at least PIXEL_MIN_LEVELS distinct levels: early AdamW steps
+    are all about ±k·lr, and such a step size can sit on a grid by chance (an image has many levels).
     """
     v = values.detach().cpu().reshape(-1).numpy() if isinstance(values, torch.Tensor) else np.asarray(values).reshape(-1)
     v = v[v != 0].astype(np.float64)
@@ -162,6 +165,8 @@ def on_pixel_grid(values) -> bool:
         hits = int(np.count_nonzero(near))
         if hits < PIXEL_RUN and hits < PIXEL_GRID_SHARE * v.size:
             continue
+        if np.unique(np.rint(scaled[near])).size < PIXEL_MIN_LEVELS:
+            continue  # one or two levels are steps of one size (early AdamW steps are all ~±k·lr), not an image
         chance = 2 * PIXEL_TOL * int(np.count_nonzero(in_range))
         too_many = hits > chance + PIXEL_SIGMAS * math.sqrt(chance) + PIXEL_RUN
         if hits >= PIXEL_GRID_SHARE * v.size or too_many or _longest_run(near) >= PIXEL_RUN:
