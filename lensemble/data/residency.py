@@ -75,7 +75,6 @@ PIXEL_GRID_SHARE = 0.9  # share of nonzero values of a message on an 8-bit pixel
 PIXEL_TOL = 1e-4  # |scaled - integer| of a value on a pixel grid (fp32 rounding of k/255 or k/127.5 - 1 is ~1e-5)
 PIXEL_RUN = 16  # consecutive nonzero values on one pixel grid: a pixel row, never chance (p ~ 1e-4 per value)
 PIXEL_MIN_LEVELS = 4  # distinct grid levels among the on-grid values: fewer is a step size that happens to sit on the grid (2 AdamW steps at lr 0.002 land within 1e-6 of 1/255)
-PIXEL_SIGMAS = 8.0  # on-grid count above chance (binomial, 2 * PIXEL_TOL per in-range value) that means "pixels"
 INT32 = 1 << 31
 FP32_MAX = float(np.finfo(np.float32).max)
 # Metric names a site may release: DESIGN.md §7's canonical names, plus what tasks.train.site_train
@@ -135,12 +134,13 @@ def looks_like_pickle(blob: bytes) -> bool:
     return False
 
 
-def _longest_run(mask: np.ndarray) -> int:
-    """Length of the longest run of True in a 1-d bool array."""
-    if not mask.size:
-        return 0
-    breaks = np.flatnonzero(~mask)
-    return int((np.diff(np.concatenate(([-1], breaks, [mask.size]))) - 1).max())
+def _pixel_row(near: np.ndarray, levels: np.ndarray) -> bool:
+    """Whether `near` holds PIXEL_RUN consecutive True whose grid `levels` take >= PIXEL_MIN_LEVELS values."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], near.astype(np.int8), [0]))))
+    for start, end in zip(edges[::2], edges[1::2]):
+        if end - start >= PIXEL_RUN and np.unique(levels[start:end]).size >= PIXEL_MIN_LEVELS:
+            return True
+    return False
 
 
 def on_pixel_grid(values) -> bool:
@@ -148,28 +148,28 @@ def on_pixel_grid(values) -> bool:
 
     A nonzero value is on a grid when it is, within PIXEL_TOL, an integer 1..255, k/255 (k >= 1) or
     k/127.5 - 1 (0 <= k <= 255). The whole message is on the grid when, for one grid, (a) at least
-    PIXEL_GRID_SHARE of its (>= 8) nonzero values are, (b) PIXEL_RUN consecutive nonzero values are
-    (a pixel row hidden among real deltas), or (c) more are than chance explains: a continuous value in
-    range lands within PIXEL_TOL of an integer with p = 2 * PIXEL_TOL, so a count above
-    mean + PIXEL_SIGMAS * sd + PIXEL_RUN means pixels spread over many tensors or broken into short runs.
-    Each needs the on-grid values to take at least PIXEL_MIN_LEVELS distinct levels: early AdamW steps
-    are all about ±k·lr, and such a step size can sit on a grid by chance (an image has many levels).
+    PIXEL_GRID_SHARE of its (>= 8) nonzero values are, on at least PIXEL_MIN_LEVELS distinct levels
+    (frames copied into parameters, across any number of tensors), or (b) PIXEL_RUN consecutive nonzero
+    values are, on at least PIXEL_MIN_LEVELS levels (a pixel row hidden among real deltas).
+    Not tested: an excess of on-grid values over chance. AdamW moves many weights by the same few
+    amounts (atoms such as ±3/255 after 50 steps at lr 0.002, measured on the default params), so a
+    real update can have 8x the on-grid count a continuous distribution predicts; that test refused
+    honest sites. Pixels broken into runs shorter than PIXEL_RUN among real values pass this test;
+    the private-row scan is what catches copied content.
     """
     v = values.detach().cpu().reshape(-1).numpy() if isinstance(values, torch.Tensor) else np.asarray(values).reshape(-1)
     v = v[v != 0].astype(np.float64)
     if v.size < 8:
         return False
     for scaled, lo in ((v, 1.0), (v * 255.0, 1.0), ((v + 1.0) * 127.5, 0.0)):
-        in_range = (scaled >= lo - PIXEL_TOL) & (scaled <= 255.0 + PIXEL_TOL)
-        near = (np.abs(scaled - np.rint(scaled)) < PIXEL_TOL) & in_range
+        levels = np.rint(scaled)
+        near = (np.abs(scaled - levels) < PIXEL_TOL) & (scaled >= lo - PIXEL_TOL) & (scaled <= 255.0 + PIXEL_TOL)
         hits = int(np.count_nonzero(near))
         if hits < PIXEL_RUN and hits < PIXEL_GRID_SHARE * v.size:
             continue
-        if np.unique(np.rint(scaled[near])).size < PIXEL_MIN_LEVELS:
-            continue  # one or two levels are steps of one size (early AdamW steps are all ~±k·lr), not an image
-        chance = 2 * PIXEL_TOL * int(np.count_nonzero(in_range))
-        too_many = hits > chance + PIXEL_SIGMAS * math.sqrt(chance) + PIXEL_RUN
-        if hits >= PIXEL_GRID_SHARE * v.size or too_many or _longest_run(near) >= PIXEL_RUN:
+        if hits >= PIXEL_GRID_SHARE * v.size and np.unique(levels[near]).size >= PIXEL_MIN_LEVELS:
+            return True
+        if _pixel_row(near, levels):
             return True
     return False
 
