@@ -110,6 +110,16 @@ def test_one_outlier_is_capped_at_the_factor_times_the_second_largest():
     assert third[1] == torch.tensor(2.0 * 3.3, dtype=torch.float64).float()
 
 
+def test_a_block_one_honest_site_moves_alone_is_not_flushed():
+    """Proprioception columns that only one embodiment has: the other sites announce 0 there. The cap's
+    floor (f times the median block's second-largest announcement) keeps such a block."""
+    a_CB = torch.tensor([[1.0, 2.0, 3.0, 0.5], [2.0, 1.0, 2.5, 0.0], [1.5, 1.5, 1.0, 0.0]])
+    grid_B, capped_CB = robust_absmax(a_CB, FACTOR)
+    assert torch.equal(grid_B, a_CB.amax(dim=0)) and not capped_CB.any()
+    a_CB[0, 3] = 1e30  # the same block, announced huge: capped at f x the median block (1.5)
+    assert robust_absmax(a_CB, FACTOR)[0][3] == FACTOR * 1.5
+
+
 def test_one_site_or_no_factor_is_not_capped():
     a_CB = torch.tensor([[1e20, 1.0]])
     assert torch.equal(robust_absmax(a_CB, FACTOR)[0], a_CB[0])
@@ -122,7 +132,8 @@ def test_a_huge_announcement_does_not_zero_the_honest_codes(num_sites):
     sites, honest = _sites(num_sites)
     t, ctx, deltas, payloads, sum_h, honest_absmax = _malicious_round(num_sites, announce=np.full(5, 2.0**99, dtype=np.float32))
     scales = t._attempt.scales_B
-    assert bool((scales <= FACTOR * honest_absmax / QMAX * (1 + 2**-23)).all())  # at most f times coarser
+    bound_B = torch.maximum(honest_absmax, honest_absmax.median())  # the cap's floor: the median block
+    assert bool((scales <= FACTOR * bound_B / QMAX * (1 + 2**-23)).all())  # at most f times coarser
     assert t.capped_blocks(ctx) == {"m": 5}
     assert bool((sum_h != 0).float().mean() > 0.5)  # the honest codes survive
     payloads["m"] = _forge_update(t, ctx, "m", np.zeros(N, dtype=np.int64))

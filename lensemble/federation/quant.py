@@ -90,19 +90,22 @@ def scales_from_absmax(absmax_B: torch.Tensor) -> torch.Tensor:
 def robust_absmax(absmax_CB: torch.Tensor, factor: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The shared grid's absmax, robust to one outlier: [C, nb] fp32 -> ([nb] fp32, [C, nb] bool capped).
 
-    A_b = max_c min(a_{c,b}, cap_b), cap_b = fp32(factor · a_(2),b), a_(2),b the second-largest a_{c,b}
-    (the product in fp64, rounded once). Every min returns one of its inputs, so when no announcement
-    exceeds its cap A_b = max_c a_{c,b} bit for bit; factor None is the uncapped max. One site alone
-    (C = 1) has nothing to compare with: its own absmax, uncapped. A block that only one site moves
-    (every other announces 0) is capped to 0: no single site moves a block on its own. `capped`
-    marks the (site, block) announcements above the cap.
+    A_b = max_c min(a_{c,b}, cap_b), cap_b = fp32(factor · max(a_(2),b, m)), a_(2),b the second-largest
+    a_{c,b} and m the median over blocks of a_(2),b (the products in fp64, rounded once). Every min
+    returns one of its inputs, so when no announcement exceeds its cap A_b = max_c a_{c,b} bit for bit;
+    factor None is the uncapped max. m is the floor for a block that one site moves alone (the others
+    announce 0: proprioception columns only one embodiment has, measured on the default params); without it such
+    an honest block would be flushed. One malicious site raises no a_(2),b above the largest honest
+    announcement H_b, hence neither m above the median of the H_b. One site alone (C = 1) has nothing to
+    compare with: its own absmax, uncapped. `capped` marks the (site, block) announcements above the cap.
     """
     if absmax_CB.dim() != 2 or absmax_CB.dtype != torch.float32:
         raise ValueError(f"expected [C, nb] fp32 announcements, got shape {tuple(absmax_CB.shape)} dtype {absmax_CB.dtype}")
     if absmax_CB.shape[0] < 2 or factor is None:
         return absmax_CB.amax(dim=0), torch.zeros_like(absmax_CB, dtype=torch.bool)
     second_B = absmax_CB.topk(2, dim=0).values[1]
-    cap_B = (second_B.to(torch.float64) * factor).to(torch.float32)
+    floor = second_B.median()  # the lower median: one of the announcements
+    cap_B = (torch.maximum(second_B, floor).to(torch.float64) * factor).to(torch.float32)
     return torch.minimum(absmax_CB, cap_B).amax(dim=0), absmax_CB > cap_B
 
 

@@ -22,12 +22,13 @@ the attempt when two sites present the same key (`AttemptAborted`; a site that f
 under another name names that site). Each site announces the per-block absmax a_{c,b} of its
 *weighted* update w_c Δ_c; `agree` fixes the shared grid robustly to one outlier:
 
-    s_b = max_c min(a_{c,b}, f · a_(2),b) / 127        (C >= 2; a_(2),b the second-largest announcement)
+    s_b = max_c min(a_{c,b}, f · max(a_(2),b, m)) / 127    (C >= 2; a_(2),b the second-largest announcement,
+                                                           m the median over blocks of a_(2),b)
 
 with f = `outlier_factor` (params `federate.announce_outlier_factor`, default 4, which every
 federation passes; f · a_(2) is rounded once to fp32; None, the class default for in-process
 simulations, is the uncapped grid max_c a_{c,b} / 127). When every announcement is within f of
-the second-largest this is max_c a_{c,b}, the plain grid, bit for bit. A site whose absmax exceeds the cap has its values saturated at ±127 codes
+its cap this is max_c a_{c,b}, the plain grid, bit for bit. A site whose absmax exceeds the cap has its values saturated at ±127 codes
 (its own loss; `capped_blocks` records it). With C = 1 there is nothing to compare and the grid is
 the site's own. Each site quantizes w_c Δ_c on the grid, adds its pairwise mask in Z_{2^k} and signs.
 The aggregator verifies every signature, sums the masked vectors exactly in the ring (the masks
