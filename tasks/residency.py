@@ -1,7 +1,10 @@
 """Prefect task of the residency stage (one site's audit of what may leave it), and the leak scans the
 federation runs on what it wrote: the exchange's run tree before it is removed, and the stage's outputs
-(reports/, the MLflow store) after it ends."""
+(reports/, the MLflow store, the Prefect database with its artifacts and logs) after it ends."""
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NONE
@@ -13,8 +16,12 @@ from lensemble.workflow import load_site, site_names
 
 
 def output_targets(layout) -> list:
-    """Where a run's shared outputs land: the exchange area, reports/ and the MLflow store."""
-    return [layout.exchange, layout.reports, layout.root / "mlflow.db", layout.root / "mlartifacts"]
+    """Where a run's shared outputs land: the exchange area, reports/, the MLflow store, and the Prefect
+    database (flow and task runs, their logs and the artifacts the flows publish; `PREFECT_HOME`, the
+    project's .prefect/ by default)."""
+    prefect_home = Path(os.environ.get("PREFECT_HOME", layout.root / ".prefect"))
+    prefect_db = sorted(prefect_home.glob("prefect.db*")) if prefect_home.is_dir() else []
+    return [layout.exchange, layout.reports, layout.root / "mlflow.db", layout.root / "mlartifacts", *prefect_db]
 
 
 @task(name="audit-site", cache_policy=NONE)

@@ -391,6 +391,23 @@ def test_leak_scan_of_the_exchange_tree_refuses_and_keeps_it(real, tmp_path):
     assert ex.exists(f"{a}/{SITE}.upd")
 
 
+def test_leak_scan_of_the_outputs_covers_reports_mlflow_and_the_prefect_database(real, tmp_path, monkeypatch):
+    """Prefect keeps artifacts and logs in its database: a private action row written there as text
+    (what a markdown artifact would hold) is found, as in reports/ and the MLflow store."""
+    from tasks.residency import check_outputs, output_targets
+
+    home = tmp_path / "prefect-home"
+    home.mkdir()
+    monkeypatch.setenv("PREFECT_HOME", str(home))
+    (home / "prefect.db").write_bytes(b"SQLite format 3\x00 artifact | clean table |")
+    assert home / "prefect.db" in output_targets(real.layout)
+    assert check_outputs(real.p, real.layout) == len(real.p.data.sites)
+    row = " | ".join(repr(float(x)) for x in real.row)
+    (home / "prefect.db-wal").write_bytes(f"| action | {row} |".encode())
+    with pytest.raises(ResidencyViolation, match=r"private rows found in .*prefect\.db-wal"):
+        check_outputs(real.p, real.layout)
+
+
 # ---- no false positives: what the real pipeline releases passes ----
 
 
