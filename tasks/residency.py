@@ -9,7 +9,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NONE
 
-from lensemble.data.audit import PrivateIndex, index_path, load_index, scan_blobs, scan_paths
+from lensemble.data.audit import PrivateIndex, index_path, load_index, scan_blobs, scan_paths, scan_paths_many
 from lensemble.data.residency import ResidencyGuard
 from lensemble.errors import ResidencyViolation
 from lensemble.workflow import load_site, site_names
@@ -72,8 +72,7 @@ def check_outputs(params, layout) -> int:
     Returns the number of sites scanned against; ResidencyViolation naming the files on a hit.
     """
     indexes = site_indexes(params, layout)
-    for site, index in sorted(indexes.items()):
-        leaks = scan_paths(output_targets(layout), index)
-        if leaks:
-            raise ResidencyViolation(f"site {site!r}: private rows found in {sorted(leaks)[:3]}")
+    leaks = scan_paths_many(output_targets(layout), indexes)
+    if leaks:
+        raise ResidencyViolation(f"private rows found in {sorted(leaks)[:3]}")
     return len(indexes)

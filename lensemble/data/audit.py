@@ -328,30 +328,46 @@ def scan_file(path: Path, index: PrivateIndex) -> dict[str, int]:
 
 def scan_data(data: bytes, suffix: str, index: PrivateIndex) -> dict[str, int]:
     """Hits per class in `data` (a file's bytes, `suffix` its lower-case extension), its decoded contents and text numbers."""
-    hits = index.scan(data)
+    return scan_data_many(data, suffix, {"": index})[""]
+
+
+def scan_data_many(data: bytes, suffix: str, indexes: Mapping[str, PrivateIndex]) -> dict[str, dict[str, int]]:
+    """`scan_data` against several sites' indexes: the file is decoded and its text numbers parsed once
+    (the parsing, not the lookups, is most of a scan's time), and the decoded parts are scanned as one
+    buffer (joined by 8 zero bytes, so a part's rows keep their offsets within it)."""
     extra = list(_decoded(data, suffix))
     nums, runs = _text_numbers(data)
-    for blob in [*extra, *runs]:
-        for k, v in index.scan(blob).items():
+    joined = (b"\0" * 8).join([*extra, *runs])
+    found = {}
+    for site, index in indexes.items():
+        hits = index.scan(data)
+        for k, v in index.scan(joined).items():
             hits[k] += v
-    hits["values"] += index.scan_floats(nums)
-    return hits
+        hits["values"] += index.scan_floats(nums)
+        found[site] = hits
+    return found
 
 
 def scan_blobs(blobs: Iterable[tuple[str, bytes]], indexes: Mapping[str, PrivateIndex]) -> dict[str, dict[str, int]]:
     """Objects (name, bytes) in which any site's private content occurs: "name (site)" → hits per class.
 
     For trees that are not local files, e.g. the exchange's run tree (`Exchange.walk`); each blob is
-    read once and scanned against every index.
+    read and parsed once and scanned against every index.
     """
     found = {}
     for name, data in blobs:
-        suffix = Path(name).suffix.lower()
-        for site, index in sorted(indexes.items()):
-            hits = scan_data(data, suffix, index)
+        for site, hits in sorted(scan_data_many(data, Path(name).suffix.lower(), indexes).items()):
             if any(hits.values()):
                 found[f"{name} ({site})"] = hits
     return found
+
+
+def scan_paths_many(paths: Iterable[Path], indexes: Mapping[str, PrivateIndex]) -> dict[str, dict[str, int]]:
+    """Files (recursively under each path) in which any site's private content occurs: "file (site)" → hits."""
+    files = []
+    for root in map(Path, paths):
+        files += [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else []
+    return scan_blobs(((str(f), f.read_bytes()) for f in files), indexes)
 
 
 def scan_paths(paths: Iterable[Path], index: PrivateIndex) -> dict[str, dict[str, int]]:
