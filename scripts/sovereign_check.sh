@@ -12,10 +12,15 @@ python - "$P" <<'PY'
 import sys, yaml
 from pathlib import Path
 sys.path.insert(0, ".")
+from lensemble.paths import Layout
+from orchestration.site_agent import keygen
 from tests.conftest import make_project, micro_params
 raw = micro_params()
 raw["federate"].update(execution="sovereign", site_launch="deployment", head_adapt_steps=0, local_only=False)
-make_project(Path(sys.argv[1]), raw)
+root = Path(sys.argv[1])
+for s in raw["data"]["sites"]:  # what each site does first (`lensemble site keygen SITE`); the coordinator pins the fingerprint
+    s["key_fingerprint"] = keygen(Layout(root), s["name"])[0]
+make_project(root, raw)
 PY
 export PREFECT_HOME="$P/.prefect" MLFLOW_TRACKING_URI="sqlite:///$P/mlflow.db"
 export PREFECT_API_URL=$(lensemble --root "$P" server url)
