@@ -134,10 +134,13 @@ def looks_like_pickle(blob: bytes) -> bool:
     return False
 
 
-def _pixel_row(near: np.ndarray, levels: np.ndarray) -> bool:
-    """Whether `near` holds PIXEL_RUN consecutive True whose grid `levels` take >= PIXEL_MIN_LEVELS values."""
-    edges = np.flatnonzero(np.diff(np.concatenate(([0], near.astype(np.int8), [0]))))
-    for start, end in zip(edges[::2], edges[1::2]):
+def _pixel_row(pos: np.ndarray, levels: np.ndarray) -> bool:
+    """Whether the on-grid positions `pos` (sorted) hold PIXEL_RUN consecutive ones whose `levels` take
+    >= PIXEL_MIN_LEVELS values."""
+    if pos.size < PIXEL_RUN:
+        return False
+    breaks = np.flatnonzero(np.diff(pos) != 1) + 1
+    for start, end in zip(np.concatenate(([0], breaks)), np.concatenate((breaks, [pos.size]))):
         if end - start >= PIXEL_RUN and np.unique(levels[start:end]).size >= PIXEL_MIN_LEVELS:
             return True
     return False
@@ -157,19 +160,27 @@ def on_pixel_grid(values) -> bool:
     honest sites. Pixels broken into runs shorter than PIXEL_RUN among real values pass this test;
     the private-row scan is what catches copied content.
     """
-    v = values.detach().cpu().reshape(-1).numpy() if isinstance(values, torch.Tensor) else np.asarray(values).reshape(-1)
-    v = v[v != 0].astype(np.float64)
-    if v.size < 8:
+    raw = values.detach().cpu().reshape(-1).numpy() if isinstance(values, torch.Tensor) else np.asarray(values).reshape(-1)
+    raw = raw.astype(np.float32, copy=False)
+    nonzero = np.flatnonzero(raw)
+    if nonzero.size < 8:
         return False
-    for scaled, lo in ((v, 1.0), (v * 255.0, 1.0), ((v + 1.0) * 127.5, 0.0)):
+    # One fp32 pass finds every value that can be on any grid: k/255 and k/127.5 - 1 put v * 255 within
+    # 2 * PIXEL_TOL of an integer (fp32 adds < 3e-5 at 255), integers 1..255 have |v| >= 1 - PIXEL_TOL;
+    # the grids are then tested exactly, in fp64, on those candidates only (~1e-3 of a real update).
+    f = raw * np.float32(255.0)
+    cand = np.flatnonzero(((np.abs(f - np.rint(f)) < 3 * PIXEL_TOL) | (np.abs(raw) >= 1.0 - PIXEL_TOL)) & (raw != 0))
+    idx = np.searchsorted(nonzero, cand)  # positions among the nonzero values (zeros do not break a row)
+    n, c = nonzero.size, raw[cand].astype(np.float64)
+    for scaled, lo in ((c, 1.0), (c * 255.0, 1.0), ((c + 1.0) * 127.5, 0.0)):
         levels = np.rint(scaled)
         near = (np.abs(scaled - levels) < PIXEL_TOL) & (scaled >= lo - PIXEL_TOL) & (scaled <= 255.0 + PIXEL_TOL)
         hits = int(np.count_nonzero(near))
-        if hits < PIXEL_RUN and hits < PIXEL_GRID_SHARE * v.size:
+        if hits < PIXEL_RUN and hits < PIXEL_GRID_SHARE * n:
             continue
-        if hits >= PIXEL_GRID_SHARE * v.size and np.unique(levels[near]).size >= PIXEL_MIN_LEVELS:
+        if hits >= PIXEL_GRID_SHARE * n and np.unique(levels[near]).size >= PIXEL_MIN_LEVELS:
             return True
-        if _pixel_row(near, levels):
+        if _pixel_row(idx[near], levels[near]):
             return True
     return False
 
