@@ -1,8 +1,6 @@
 """Federation checkpoints: bitwise round trip, every kind of damage refused, crash-safe commit, SIGKILL resume."""
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import random
 import signal
@@ -287,21 +285,6 @@ def _toy(tmp_path: Path, root: Path, pause: str | None = None) -> list[str]:
     return _finish_toy(_start_toy(tmp_path, root, pause), pause)
 
 
-def _toy_in_process(root: Path) -> list[str]:
-    """The uninterrupted reference, run here (one torch start-up fewer); this process's global RNGs
-    and thread count are put back afterwards."""
-    rng, threads, out = capture_rng(), torch.get_num_threads(), io.StringIO()
-    namespace = {"__name__": "toy"}
-    exec(compile(TOY, "toy_diloco.py", "exec"), namespace)
-    try:
-        with contextlib.redirect_stdout(out):
-            namespace["main"](root, TOY_ROUNDS, ["none", "-1"])
-    finally:
-        restore_rng(rng)
-        torch.set_num_threads(threads)
-    return out.getvalue().split("\n")[:-1]
-
-
 def test_sigkill_mid_round_and_mid_commit_resume_bitwise(tmp_path):
     crashed = tmp_path / "crashed"
     lines = _toy(tmp_path, crashed, pause="round:2")  # killed in round 2, after the sites trained
@@ -314,7 +297,10 @@ def test_sigkill_mid_round_and_mid_commit_resume_bitwise(tmp_path):
     assert list((crashed / "coordinator").glob(".federation.ckpt.tmp-*"))
 
     lines = _toy(tmp_path, crashed)
-    reference = _toy_in_process(tmp_path / "uninterrupted")
+    # The reference runs in its own process too: in the test process, threads left by earlier tests
+    # (Prefect clients, timed-out site tasks) may draw from the global `random`/numpy/torch RNGs while
+    # it runs, which changed its result in 2 of 5 full-suite runs.
+    reference = _toy(tmp_path, tmp_path / "uninterrupted")
     assert reference[0] == "start 0" and reference[-1].endswith(f" {TOY_ROUNDS}")
     assert lines[0] == "start 3" and lines[-1] == reference[-1]  # same state_hash, same history length
     assert sorted(p.name for p in (crashed / "sites" / "site_b" / "checkpoints").iterdir()) == [f"round-{TOY_ROUNDS - 1:06d}.pt"]
