@@ -26,27 +26,34 @@ def collect(root: Path, max_runs: int = 10000) -> list[dict]:
         stage = run.data.tags.get("lensemble.stage")
         hw = run.data.tags.get("lensemble.hardware_class", "unknown")
         for name, b_stage, metric in measured:
-            if b_stage == stage and metric in run.data.metrics:
-                values.setdefault((name, stage, hw), []).append(run.data.metrics[metric])
+            # the value the run's budget table read (`budget/<name>`: a mean or a minimum over rounds); runs recorded
+            # before that metric existed fall back to the raw metric's latest value
+            value = run.data.metrics.get(f"budget/{name}", run.data.metrics.get(metric))
+            if b_stage == stage and value is not None:
+                values.setdefault((name, stage, hw), []).append(value)
                 times.setdefault((name, stage, hw), []).append(run.info.start_time / 1000)
     rows = []
     for (name, stage, hw), vals in sorted(values.items()):
         band = next((b for b in budgets if b.name == name and b.stage == stage and b.hardware_class == hw), None)
         within = sum(band.low <= v <= band.high for v in vals) if band else None
+        below = sum(v < band.low for v in vals) if band else None
         rows.append({"budget": name, "stage": stage, "hardware_class": hw, "runs": len(vals), "min": min(vals),
                      "median": statistics.median(vals), "max": max(vals), "values": vals, "times": times[(name, stage, hw)],
-                     "band": (band.low, band.high) if band else None, "within": within})
+                     "band": (band.low, band.high) if band else None, "within": within, "below": below,
+                     "above": None if band is None else len(vals) - within - below})
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
     """A fixed-width text table."""
-    head = f"{'budget':<24} {'stage':<12} {'hardware':<14} {'runs':>5} {'min':>10} {'median':>10} {'max':>10} {'band':>18} {'within':>7}"
+    head = (f"{'budget':<24} {'stage':<12} {'hardware':<14} {'runs':>5} {'min':>10} {'median':>10} {'max':>10} {'band':>18} "
+            f"{'below':>6} {'within':>7} {'above':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         band = "no band" if r["band"] is None else f"[{r['band'][0]:g}, {r['band'][1]:g}]"
-        within = "-" if r["within"] is None else f"{r['within']}/{r['runs']}"
-        lines.append(f"{r['budget']:<24} {r['stage']:<12} {r['hardware_class']:<14} {r['runs']:>5} {r['min']:>10.4g} {r['median']:>10.4g} {r['max']:>10.4g} {band:>18} {within:>7}")
+        counts = ["-"] * 3 if r["within"] is None else [str(r["below"]), f"{r['within']}/{r['runs']}", str(r["above"])]
+        lines.append(f"{r['budget']:<24} {r['stage']:<12} {r['hardware_class']:<14} {r['runs']:>5} {r['min']:>10.4g} {r['median']:>10.4g} "
+                     f"{r['max']:>10.4g} {band:>18} {counts[0]:>6} {counts[1]:>7} {counts[2]:>6}")
     return "\n".join(lines)
 
 

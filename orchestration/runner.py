@@ -34,6 +34,7 @@ from lensemble.errors import BudgetExceeded, ConfigError
 from lensemble.observability.hardware import hardware_class
 from lensemble.observability.manifest import build_manifest, git_state
 from lensemble.observability.metrics import MetricsSink
+from lensemble.observability.summary import REPORTS, flat, summarize
 from lensemble.paths import Layout
 from orchestration.tracking import Tracker, tracking_uri
 
@@ -140,6 +141,105 @@ def lowest_priority() -> None:
         pass
 
 
+STREAM_SECONDS = 10.0  # how often a running stage's new metrics reach its MLflow run
+ARTIFACT_MAX_BYTES = 8 << 20  # staged report files up to this size are logged as artifacts (models are not)
+
+
+def mlflow_key(record: dict) -> str:
+    """A record's MLflow key: per-site values get the site as the last segment, so no site hides another."""
+    return record["name"] if record["participant"] is None else f"{record['name']}/{record['participant']}"
+
+
+def site_means(records: list[dict]) -> list[tuple[str, float, int, float]]:
+    """Under the plain key, the mean over sites of every per-site metric at each step (what the report reads)."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for r in records:
+        if r["participant"] is not None:
+            groups.setdefault((r["name"], r["step"]), []).append(r)
+    return [(name, sum(r["value"] for r in rs) / len(rs), step, max(r["timestamp"] for r in rs)) for (name, step), rs in groups.items()]
+
+
+class MetricsMirror:
+    """Sends the sink's records to the stage's MLflow run while the stage runs, then the rest at the end.
+
+    A niced background thread waits for the run to open, then every `interval` seconds logs the records
+    appended since its last batch (the sink only appends). `close` stops it and sends what is left.
+    """
+
+    def __init__(self, sink: MetricsSink, opening: Future, interval: float = STREAM_SECONDS) -> None:
+        self.sink, self.opening, self.interval = sink, opening, interval
+        self.sent = 0
+        self.cpu_seconds = 0.0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="mlflow-stream", daemon=True)
+        self._thread.start()
+
+    def _send(self, run: _OpenRun) -> None:
+        with self._lock:
+            end = len(self.sink.records)
+            batch = self.sink.records[self.sent:end]
+            if batch:
+                run.tracker.log(run.run_id, {}, [(mlflow_key(r), r["value"], r["step"], r["timestamp"]) for r in batch], {})
+            self.sent = end
+
+    def _loop(self) -> None:
+        lowest_priority()
+        cpu0 = time.thread_time()
+        try:
+            run = self.opening.result()
+            while not self._stop.wait(self.interval):
+                self._send(run)
+        except Exception:  # noqa: BLE001 - the stage's own wait on the opening reports the error; streaming is best effort
+            pass
+        finally:
+            self.cpu_seconds = time.thread_time() - cpu0
+
+    def stop(self) -> None:
+        """Stop streaming (a failed stage: what was streamed stays on its FAILED run)."""
+        self._stop.set()
+
+    def close(self, run: _OpenRun) -> None:
+        """Stop streaming and send every record not sent yet."""
+        self.stop()
+        self._thread.join()
+        self._send(run)
+
+
+def run_links() -> dict[str, str]:
+    """Tags that link the MLflow run to the Prefect flow run and the DVC stage or experiment that made it.
+
+    Read in the stage's own thread: Prefect's run context does not reach the background opening thread.
+    """
+    tags = {}
+    try:
+        from prefect.runtime import flow_run
+
+        if flow_run.id:
+            tags.update({"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_name": str(flow_run.name)})
+            ui = os.environ.get("PREFECT_UI_URL") or (os.environ.get("PREFECT_API_URL", "").removesuffix("/api") or None)
+            if ui:
+                tags["prefect.flow_run_url"] = f"{ui}/runs/flow-run/{flow_run.id}"
+    except Exception:  # noqa: BLE001 - outside a flow run there is nothing to link
+        pass
+    for env, tag in (("DVC_STAGE", "dvc.stage"), ("DVC_EXP_NAME", "dvc.experiment"), ("DVC_EXP_BASELINE_REV", "dvc.baseline_rev")):
+        if os.environ.get(env):
+            tags[tag] = os.environ[env]
+    return tags
+
+
+def source_tags(stage: str, commit: str) -> dict[str, str]:
+    """MLflow's own source tags: the UI's Source and Version columns, and the user."""
+    import getpass
+
+    tags = {"mlflow.source.type": "LOCAL", "mlflow.source.name": f"lensemble run {stage}", "mlflow.source.git.commit": commit}
+    try:
+        tags["mlflow.user"] = getpass.getuser()
+    except (KeyError, OSError):
+        pass
+    return tags
+
+
 def _open_run(root: Path, pipeline_key: str, tags: dict[str, str], stage: str) -> _OpenRun:
     """Import MLflow, open the store, find or create the parent run and create the stage run."""
     lowest_priority()
@@ -162,6 +262,29 @@ def _wait(opening: Future) -> tuple[_OpenRun, float]:
     return run, time.perf_counter() - t0
 
 
+def stage_summary(ctx: StageContext) -> dict:
+    """Write `reports/metrics/<stage>.json`, the stage's numeric summary (a DVC metrics file), from its staged report."""
+    name = REPORTS.get(ctx.stage)
+    staged = ctx.out.staging / "reports" / f"{name}.json"
+    if name is None or not staged.is_file():
+        return {}
+    summary = summarize(ctx.stage, json.loads(staged.read_text()))
+    ctx.out.write_json(f"reports/metrics/{ctx.stage}.json", summary)
+    return summary
+
+
+def log_artifacts(run: _OpenRun, out: Outputs, manifest_path: Path, to_parent: bool) -> None:
+    """The manifest and the stage's report files (not models or data) as artifacts, under their folder in the project."""
+    files = [manifest_path] + [out.staging / rel for rel in dict.fromkeys(out.written)
+                               if rel.parts[0] == "reports" and "manifests" not in rel.parts]
+    for path in files:
+        if path.is_file() and path.stat().st_size <= ARTIFACT_MAX_BYTES:
+            subdir = str(path.parent.relative_to(out.staging))
+            run.tracker.log_artifact(run.run_id, path, subdir)
+            if to_parent:
+                run.tracker.log_artifact(run.parent, path, subdir)
+
+
 @contextmanager
 def stage_run(stage: str, root: Path | str = ".", params_path: str = "params.yaml") -> Iterator[StageContext]:
     """Run one stage's body with tracking; see the module docstring."""
@@ -171,7 +294,7 @@ def stage_run(stage: str, root: Path | str = ".", params_path: str = "params.yam
     commit, dirty = git_state(layout.root)
     hw = hardware_class(params.run.hardware_class)
     tags = {"lensemble.stage": stage, "lensemble.hardware_class": hw, "lensemble.git_commit": commit,
-            "lensemble.git_dirty": str(dirty), "lensemble.params_hash": params.hash()}
+            "lensemble.git_dirty": str(dirty), "lensemble.params_hash": params.hash(), **source_tags(stage, commit), **run_links()}
     pipeline_key = f"{params.hash()[:16]}-{commit[:12]}{'-dirty' if dirty else ''}"
     pool = ThreadPoolExecutor(1, thread_name_prefix="mlflow-open")
     opening = pool.submit(_open_run, layout.root, pipeline_key, tags, stage)
@@ -182,11 +305,13 @@ def stage_run(stage: str, root: Path | str = ".", params_path: str = "params.yam
     for s in params.data.sites:
         if layout.site_manifest(s.name).is_file():
             ctx.data_manifests[s.name] = json.loads(layout.site_manifest(s.name).read_text())
+    mirror = MetricsMirror(ctx.sink, opening)
     run: _OpenRun | None = None
     try:
         yield ctx
         ctx.measured.setdefault("perf/stage_seconds", time.time() - started)
         t_tracking = time.perf_counter()
+        summary = stage_summary(ctx)
         budgets = load_budgets(layout.root / "budgets.yaml")
         rows = evaluate_budgets(budgets, stage, hw, ctx.measured, params)
         bad = violations(rows)
@@ -205,13 +330,20 @@ def stage_run(stage: str, root: Path | str = ".", params_path: str = "params.yam
         manifest_path = ctx.out.write_json(manifest_rel, manifest)
         from orchestration.datasets import log_site_datasets  # imports MLflow, which the opening thread has loaded
 
-        metrics = [(r["name"], r["value"], r["step"], r["timestamp"]) for r in ctx.sink.records]
-        metrics += [(k, float(v), 0, time.time()) for k, v in ctx.measured.items()]
-        metrics.append(("perf/tracking_background_seconds", run.seconds, 0, time.time()))
-        metrics.append(("perf/tracking_background_cpu_seconds", run.cpu_seconds, 0, time.time()))
+        mirror.close(run)  # the records not streamed yet
+        now = time.time()
+        metrics = site_means(ctx.sink.records)
+        metrics += [(k, float(v), 0, now) for k, v in ctx.measured.items()]
+        # each budget's value as the budget table read it (a mean, a minimum), beside the raw per-round metric
+        metrics += [(f"budget/{r['name']}", float(r["value"]), 0, now) for r in rows if r["value"] is not None]
+        metrics.append(("perf/tracking_background_seconds", run.seconds, 0, now))
+        metrics.append(("perf/tracking_background_cpu_seconds", run.cpu_seconds + mirror.cpu_seconds, 0, now))
         budget_tags = {f"budget.{r['name']}": r["status"] for r in rows}
         run.tracker.log(run.run_id, _flatten(params.model_dump(mode="json")), metrics, budget_tags)
-        run.tracker.log_artifact(run.run_id, manifest_path)
+        summary_metrics = [(f"{stage}/{k}", v, 0, now) for k, v in flat(summary).items()]
+        run.tracker.log(run.run_id, {}, summary_metrics, {})
+        run.tracker.log(run.parent, {}, summary_metrics, {})  # the parent's row in the runs table compares configurations
+        log_artifacts(run, ctx.out, manifest_path, to_parent=stage == "report")
         log_site_datasets(run.tracker.client, run.run_id, ctx.data_manifests, layout.root)
         # what budgets + MLflow added to this stage's wall time, itself recorded (target: ≤ 2% of the pipeline)
         run.tracker.client.log_metric(run.run_id, "perf/tracking_seconds", time.perf_counter() - t_tracking)
@@ -221,6 +353,7 @@ def stage_run(stage: str, root: Path | str = ".", params_path: str = "params.yam
             append_ledger(layout.reports / "ledger.json", ledger_entry(ctx, run.run_id, started))
         run.tracker.finish(run.run_id, ok=True)
     except BaseException as exc:
+        mirror.stop()
         shutil.rmtree(staging, ignore_errors=True)
         reason = f"{type(exc).__name__}: {exc}" if str(exc) else "".join(traceback.format_exception_only(exc)).strip()
         if run is None and opening.exception() is None:

@@ -2,9 +2,14 @@
 
 The tracking URI is absolute (DVC experiments run in temporary copies): `MLFLOW_TRACKING_URI` if set,
 else an SQLite file `mlflow.db` at the project root, with artifacts beside it in `mlartifacts/`.
-The parent run is found by the `lensemble.pipeline_key` tag - the params hash and the git commit -
-so every stage of one configuration lands under one parent, whichever stages DVC reruns;
-`LENSEMBLE_PIPELINE_RUN` (set by `flows/pipeline.py`) pins it explicitly.
+The parent run is found by the `lensemble.pipeline_key` tag - the params hash and the git commit
+(dirty or not, ignoring what DVC writes: `dvc.lock` and `reports/`) - so every stage of one
+configuration lands under one parent, whichever stages DVC reruns; `LENSEMBLE_PIPELINE_RUN` (set by
+`flows/pipeline.py`) pins it explicitly. A DVC experiment run in a temporary copy (`dvc exp run
+--temp`, `--queue`) records into its workspace's store: DVC sets `DVC_ROOT` to that workspace.
+
+The experiment is tagged `mlflow.experimentKind = custom_model_development`, so the MLflow UI opens
+it on the runs table (an untagged experiment opens on the GenAI traces page).
 
 MLflow is imported when a `Tracker` is made, not with this module: importing it and opening the SQL
 store take about 3 s of CPU, which the stage runner spends on a background thread (see runner.py).
@@ -16,11 +21,16 @@ import time
 from pathlib import Path
 
 EXPERIMENT = "lensemble"
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+STAGE_ONLY_TAGS = ("lensemble.stage", "mlflow.source.name", "prefect.flow_run_id", "prefect.flow_run_name", "prefect.flow_run_url", "dvc.stage")
 
 
 def tracking_uri(root: Path) -> str:
-    """The absolute tracking URI for this project."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(root).resolve() / 'mlflow.db'}"
+    """The absolute tracking URI for this project (DVC's workspace when DVC runs a copy of it)."""
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    home = Path(os.environ.get("DVC_ROOT") or root).resolve()
+    return f"sqlite:///{home / 'mlflow.db'}"
 
 
 def _artifact_root(uri: str, root: Path) -> str | None:
@@ -39,7 +49,13 @@ class Tracker:
         uri = tracking_uri(root)
         self.client = MlflowClient(tracking_uri=uri)
         exp = self.client.get_experiment_by_name(EXPERIMENT)
-        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(EXPERIMENT, artifact_location=_artifact_root(uri, root))
+        if exp is None:
+            self.experiment_id = self.client.create_experiment(EXPERIMENT, artifact_location=_artifact_root(uri, root), tags=EXPERIMENT_KIND)
+        else:
+            self.experiment_id = exp.experiment_id
+            if any(exp.tags.get(k) != v for k, v in EXPERIMENT_KIND.items()):  # a store made before the kind was set
+                for k, v in EXPERIMENT_KIND.items():
+                    self.client.set_experiment_tag(self.experiment_id, k, v)
         self.setup_seconds = time.perf_counter() - t0  # store open/migration check, part of the tracking overhead
 
     def parent_run(self, pipeline_key: str, tags: dict[str, str]) -> str:
@@ -52,7 +68,11 @@ class Tracker:
             return found[0].info.run_id
         from mlflow.entities import RunStatus
 
-        run = self.client.create_run(self.experiment_id, run_name=f"pipeline-{pipeline_key[:8]}", tags={**tags, "lensemble.pipeline_key": pipeline_key, "lensemble.kind": "pipeline"})
+        params8, _, rest = pipeline_key.partition("-")
+        parent_tags = {k: v for k, v in tags.items() if k not in STAGE_ONLY_TAGS}
+        run = self.client.create_run(self.experiment_id, run_name=f"pipeline-{params8[:8]}-{rest[:7]}{'-dirty' if rest.endswith('-dirty') else ''}",
+                                     tags={**parent_tags, "mlflow.source.name": "dvc repro", "lensemble.pipeline_key": pipeline_key,
+                                           "lensemble.kind": "pipeline"})
         self.client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.FINISHED))
         return run.info.run_id
 
@@ -75,6 +95,11 @@ class Tracker:
 
     def log_artifact(self, run_id: str, path: Path, subdir: str | None = None) -> None:
         self.client.log_artifact(run_id, str(path), subdir)
+
+    def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
     def finish(self, run_id: str, ok: bool, reason: str = "") -> None:
         """End the stage run: FINISHED, or FAILED with the reason as a tag."""

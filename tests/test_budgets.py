@@ -97,12 +97,21 @@ def test_budgets_compare_reads_mlflow_prints_the_table_and_writes_the_plot(tmp_p
         run_id = tracker.start_stage(parent, "federate", {"lensemble.stage": "federate", "lensemble.hardware_class": hw})
         tracker.client.log_metric(run_id, "fed/bytes_per_param", value)
         tracker.finish(run_id, ok=True)
+    # a per-round metric whose last round is within its band [0.8, 1000] while the budget's value (the minimum over
+    # rounds, as the report reads it) is below: compare must count the run below, as the report does
+    run_id = tracker.start_stage(parent, "gauge", {"lensemble.stage": "gauge", "lensemble.hardware_class": "cpu-2c"})
+    for step, value in enumerate((0.2, 0.9, 1.1)):
+        tracker.client.log_metric(run_id, "gauge/effective_dim_vs_pooled", value, step=step)
+    tracker.client.log_metric(run_id, "budget/effective_dim_vs_pooled", 0.2)
+    tracker.finish(run_id, ok=True)
     proc = subprocess.run([sys.executable, "-m", "flows.cli", "--root", str(root), "budgets", "compare"],
                           capture_output=True, text=True, timeout=120, env={**__import__("os").environ, "MLFLOW_TRACKING_URI": uri})
     assert proc.returncode == 0, proc.stderr
     rows = {tuple(line.split()[:3]): line.split() for line in proc.stdout.splitlines() if line.startswith("wire_bytes_per_param")}
     cpu = rows[("wire_bytes_per_param", "federate", "cpu-2c")]
-    assert cpu[3:6] == ["2", "0.5", "1.5"] and cpu[-1] == "1/2"  # runs, min, median; one of two within [0, 2.1]
+    assert cpu[3:6] == ["2", "0.5", "1.5"] and cpu[-3:] == ["0", "1/2", "1"]  # runs, min, median; below, within [0, 2.1], above
+    gauge = next(line.split() for line in proc.stdout.splitlines() if line.startswith("effective_dim_vs_pooled"))
+    assert gauge[4] == "0.2" and gauge[-3:] == ["1", "0/1", "0"]  # the budget's own value, counted below its band
     tpu = rows[("wire_bytes_per_param", "federate", "tpu-v5e")]
     assert "no" in tpu and "band" in tpu  # a class without bands is reported, never silently passed
     assert proc.stdout.strip().splitlines()[-1] == "plot: reports/plots/budgets_compare.png"

@@ -82,6 +82,52 @@ def test_pipeline_end_to_end(prefect_server, project):
     ratios = [r["effective_dim"] / r["pooled_effective_dim"] for r in gauge["per_round"]]
     assert gauge["effective_dim_vs_pooled_min"] == pytest.approx(min(ratios))
     assert gauge["collapse_tripwire"] == any(x < 0.5 for x in ratios)
+    _check_tracking_for_users(project, client, parents[0], children, records)
+
+
+def _numbers_only(tree) -> bool:
+    if isinstance(tree, dict):
+        return bool(tree) and all(_numbers_only(v) for v in tree.values())
+    return isinstance(tree, (int, float)) and not isinstance(tree, bool)
+
+
+def _check_tracking_for_users(project, client, parent, children, records):
+    """What DVC's and MLflow's UIs show: numeric metrics files, per-site keys, summaries, source and links."""
+    from lensemble.observability.summary import flat
+
+    summaries = {}
+    for stage in STAGES[:-1]:
+        summary = json.loads((project / "reports" / "metrics" / f"{stage}.json").read_text())
+        assert _numbers_only(summary), stage  # no hashes, names or lists: `dvc metrics diff` compares numbers
+        summaries[stage] = summary
+    ev = json.loads((project / "reports" / "eval.json").read_text())
+    assert summaries["evaluate"]["success_rate"]["federated"]["mean"] == pytest.approx(ev["mean_success_rate"]["federated"], rel=1e-5)
+    exp = client.get_experiment_by_name("lensemble")
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # the UI opens on the runs table
+    by_stage = {r.data.tags["lensemble.stage"]: r for r in children}
+    ev_run = by_stage["evaluate"]
+    for site, row in ev["sites"].items():  # every site's value under its own key, none hiding another
+        assert ev_run.data.metrics[f"eval/success_rate/federated/{site}"] == pytest.approx(row["federated"]["success_rate"])
+    # the plain key is the mean over sites, as the report reads it
+    assert ev_run.data.metrics["eval/success_rate/federated"] == pytest.approx(ev["mean_success_rate"]["federated"])
+    fed_run = by_stage["federate"]
+    comm = {(r["participant"], r["step"]): r["value"] for r in records if r["name"] == "fed/comm_bytes"}
+    history = client.get_metric_history(fed_run.info.run_id, "fed/comm_bytes/site_b")
+    assert sorted((m.step, m.value) for m in history) == sorted((step, v) for (site, step), v in comm.items() if site == "site_b")
+    for stage, summary in summaries.items():  # the parent row compares configurations on the same numbers as DVC
+        for key, value in flat(summary).items():
+            assert parent.data.metrics[f"{stage}/{key}"] == pytest.approx(value), (stage, key)
+    for r in children + [parent]:
+        assert r.data.tags["mlflow.source.git.commit"] == r.data.tags["lensemble.git_commit"] and r.data.tags["mlflow.source.name"]
+    for r in children:
+        assert r.data.tags["prefect.flow_run_id"]  # the link to the Prefect flow run that ran the stage
+    # a budget's value as its table read it (the lowest round), not the raw metric's last round
+    gauge = json.loads((project / "reports" / "gauge.json").read_text())
+    assert by_stage["gauge"].data.metrics["budget/effective_dim_vs_pooled"] == pytest.approx(gauge["effective_dim_vs_pooled_min"])
+    parent_files = {a.path for a in client.list_artifacts(parent.info.run_id, "reports")}
+    assert "reports/report.md" in parent_files  # the report opens from the parent run
+    plots = {a.path for a in client.list_artifacts(by_stage["report"].info.run_id, "reports/plots")}
+    assert {"reports/plots/success.png", "reports/plots/success.json"} <= plots
 
 
 def test_two_federations_with_one_seed_are_bitwise_identical(prefect_server, project, tmp_path, monkeypatch):

@@ -12,11 +12,21 @@ from lensemble.observability.hardware import hardware_class, hardware_string
 LIBRARIES = ("torch", "numpy", "pyarrow", "pydantic", "prefect", "dvc", "mlflow", "cryptography")
 
 
+# what the pipeline itself rewrites in a clone: not a change of the code or configuration that ran
+PIPELINE_WRITTEN = ("dvc.lock", "reports")
+
+
 def git_state(root: Path) -> tuple[str, bool]:
-    """(commit, dirty) of the repository at `root`; ('unknown', True) outside git."""
+    """(commit, dirty) of the repository at `root`; ('unknown', True) outside git.
+
+    Dirty means a tracked source file differs from the commit; `dvc.lock` and `reports/` (which
+    every `dvc repro` rewrites, its DVC metrics and plots files included) do not count.
+    """
+    excluded = [f":(exclude){p}" for p in PIPELINE_WRITTEN]
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True, check=True).stdout.strip())
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", *excluded],
+                                    cwd=root, capture_output=True, text=True, check=True).stdout.strip())
         return commit, dirty
     except (OSError, subprocess.CalledProcessError):
         return "unknown", True

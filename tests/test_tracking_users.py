@@ -1,0 +1,114 @@
+"""What users compare in DVC and MLflow: one parent per configuration, numeric summaries, per-site keys, live metrics."""
+from __future__ import annotations
+
+import subprocess
+import time
+from concurrent.futures import Future
+
+import pytest
+
+from lensemble.observability.manifest import git_state
+from lensemble.observability.metrics import MetricsSink
+from lensemble.observability.summary import flat, summarize
+from orchestration.runner import MetricsMirror, _OpenRun, mlflow_key, site_means
+from orchestration.tracking import Tracker, tracking_uri
+
+
+def _git(root, *args):
+    subprocess.run(["git", *args], cwd=root, check=True, capture_output=True)
+
+
+def test_the_parent_key_ignores_what_the_pipeline_writes_but_not_source_edits(tmp_path):
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "config", "user.email", "t@t")
+    _git(tmp_path, "config", "user.name", "t")
+    (tmp_path / "reports" / "metrics").mkdir(parents=True)
+    for rel in ("dvc.lock", "reports/metrics/evaluate.json", "code.py"):
+        (tmp_path / rel).write_text("a\n")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-qm", "c")
+    commit, dirty = git_state(tmp_path)
+    assert len(commit) == 40 and not dirty
+    # a fresh clone's `dvc repro` rewrites dvc.lock and the DVC metrics files: still the same configuration
+    (tmp_path / "dvc.lock").write_text("b\n")
+    (tmp_path / "reports" / "metrics" / "evaluate.json").write_text("b\n")
+    assert git_state(tmp_path) == (commit, False)
+    (tmp_path / "code.py").write_text("b\n")  # an edited source file is a different configuration
+    assert git_state(tmp_path) == (commit, True)
+
+
+EVAL = {"embodiments": {"point": {"centralized": 0.9, "federated": 0.5, "local_only": 0.8, "oracle": 1.0, "random": 0.0625,
+                                  "episodes": 16.0, "success_criterion": "within 3 cm"}},
+        "mean_success_rate": {"centralized": 0.9, "federated": 0.5, "local_only": 0.8, "oracle": 1.0, "random": 0.0625},
+        "sites": {"a": {"embodiment": "point", "diagnostics": {"federated": {"rollout_vs_copy": [0.5, 0.7], "action_sensitivity": 2.0,
+                                                                                 "probe_r2": 0.75}}},
+                  "b": {"embodiment": "point", "diagnostics": {"federated": {"rollout_vs_copy": [0.7, 0.9], "action_sensitivity": 3.0,
+                                                                                 "probe_r2": 0.25}}}}}
+
+
+def test_the_evaluation_summary_holds_numbers_only_with_site_means():
+    s = summarize("evaluate", EVAL)
+    assert s["success_rate"]["federated"] == {"point": 0.5, "mean": 0.5}
+    assert s["dynamics"]["federated"] == {"latent_1step_vs_copy": 0.6, "action_sensitivity": 2.5, "probe_r2": 0.5}
+    keys = flat(s)
+    assert keys["success_rate/random/point"] == 0.0625 and all(isinstance(v, float) for v in keys.values())
+
+
+def test_the_federation_summary_derives_the_reduction_and_rounds_to_six_digits():
+    fed = {"final_loss_pred": 0.123456789, "rounds": 15, "inner_steps": 50, "comm_bytes_total": 3_000, "bytes_per_param": 2.0,
+           "quant_ratio": 0.5, "step_synchronous_bytes": 600_000, "round_seconds_mean": 7.0, "global_params_sha256": "ab" * 32,
+           "transport": "secure_int8", "dp": {"enabled": True, "epsilon": 3.25}}
+    s = summarize("federate", fed)
+    assert s["comm_reduction_vs_synchronous"] == 200.0 and s["final_loss_pred"] == 0.123457 and s["dp_epsilon"] == 3.25
+    assert "global_params_sha256" not in s and "transport" not in s
+
+
+def test_per_site_records_get_their_own_keys_and_the_plain_key_is_their_mean():
+    sink = MetricsSink(__import__("pathlib").Path("/dev/null"), None, "evaluate")
+    for site, v in (("site_a", 0.25), ("site_b", 0.75)):
+        sink.log("eval/success_rate/federated", v, participant=site)
+    sink.log("perf/plan_total", 3.0)
+    assert [mlflow_key(r) for r in sink.records] == ["eval/success_rate/federated/site_a", "eval/success_rate/federated/site_b", "perf/plan_total"]
+    assert [(n, v, s) for n, v, s, _ in site_means(sink.records)] == [("eval/success_rate/federated", 0.5, 0)]
+
+
+def test_metrics_reach_mlflow_while_the_stage_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    tracker = Tracker(tmp_path)
+    parent = tracker.parent_run("k", {})
+    run_id = tracker.start_stage(parent, "centralized", {})
+    opening: Future = Future()
+    opening.set_result(_OpenRun(tracker, parent, run_id, 0.0, 0.0))
+    sink = MetricsSink(tmp_path / "m.jsonl", None, "centralized")
+    mirror = MetricsMirror(sink, opening, interval=0.05)
+    sink.log("loss/pred", 1.5, step=0)
+    deadline = time.monotonic() + 30
+    while "loss/pred" not in tracker.client.get_run(run_id).data.metrics and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert tracker.client.get_run(run_id).data.metrics["loss/pred"] == 1.5  # before the stage ends
+    sink.log("loss/pred", 0.5, step=1)
+    mirror.close(opening.result())
+    history = sorted((m.step, m.value) for m in tracker.client.get_metric_history(run_id, "loss/pred"))
+    assert history == [(0, 1.5), (1, 0.5)]  # each record sent once
+
+
+def test_an_experiment_made_before_the_kind_existed_gets_it(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    MlflowClient(uri).create_experiment("lensemble")
+    tracker = Tracker(tmp_path)
+    assert tracker.client.get_experiment(tracker.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+@pytest.mark.parametrize("dvc_root", [None, "ws"])
+def test_a_dvc_experiment_in_a_temporary_copy_records_into_its_workspace(tmp_path, monkeypatch, dvc_root):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    copy = tmp_path / "tmp-copy"
+    if dvc_root:
+        monkeypatch.setenv("DVC_ROOT", str(tmp_path / dvc_root))
+    else:
+        monkeypatch.delenv("DVC_ROOT", raising=False)
+    expected = (tmp_path / dvc_root if dvc_root else copy).resolve() / "mlflow.db"
+    assert tracking_uri(copy) == f"sqlite:///{expected}"
