@@ -1,4 +1,4 @@
-"""Stage `report`: reports/report.md, reports/budgets.json and the PNG plots."""
+"""Stage `report`: reports/report.md (verdict first), reports/budgets.json, the PNG plots and their data files."""
 from __future__ import annotations
 
 from prefect import flow

@@ -14,7 +14,6 @@ Shape legend: S CEM samples, H horizon, C context, K action dim, N tokens, D lat
 """
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,20 +28,10 @@ from lensemble.model.predictor import rollout
 from lensemble.model.world_model import WorldModel
 from lensemble.planning.cem import CEMConfig, cem_plan, shift_plan
 from lensemble.sim.base import Embodiment
+from lensemble.stats import wilson_interval
 
 ORACLE = "oracle"
 Agent = WorldModel | Literal["oracle"] | None  # None: random actions
-
-
-def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """Wilson score 95% interval for a binomial proportion."""
-    if n == 0:
-        return 0.0, 1.0
-    p = successes / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from lensemble.evaluation import wilson_interval
+from lensemble.stats import wilson_interval
 from lensemble.planning.cem import CEMConfig, cem_plan, shift_plan
 
 

@@ -29,8 +29,8 @@ def _mean(xs: list[float]) -> float:
 
 
 def prepare(r: dict) -> dict:
-    sites = {k: v for k, v in r["sites"].items() if k != "public_probe"}
-    return {"episodes": {s: v["episodes"] for s, v in sites.items()}, "steps": {s: v["steps"] for s, v in sites.items()}}
+    sites = [v for k, v in r["sites"].items() if k != "public_probe"]
+    return {"site_episodes": sum(v["episodes"] for v in sites), "site_steps": sum(v["steps"] for v in sites)}
 
 
 def residency(r: dict) -> dict:
