@@ -12,20 +12,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
 from prefect import flow, unmapped
 
+from flows.runs import STAGE_RUN
+from lensemble.config import load_yaml
 from lensemble.report import plot_ablation
 from orchestration.ablation import grid, point_params, require_inputs
 from orchestration.runner import stage_run
 from tasks.ablation import run_point
 
 
-@flow(name="ablation")
+@flow(name="ablation", **STAGE_RUN)
 def ablation_flow(root: str = ".", inner_steps: tuple[int, ...] = (25, 100), anchor_weights: tuple[float, ...] = (0.0, 0.1)) -> list[dict]:
     with stage_run("ablation", root) as ctx:
         base = Path(root).resolve()
-        raw = yaml.safe_load((base / "params.yaml").read_text())
+        raw = load_yaml(base / "params.yaml")
         points = grid(ctx.params, list(inner_steps), list(anchor_weights))
         for point in points:
             point_params(raw, point)  # every point's params are valid before anything runs

@@ -3,21 +3,23 @@ from __future__ import annotations
 
 from prefect import flow
 
+from flows.runs import STAGE_RUN
 from orchestration.runner import stage_run
 from tasks.preflight import preflight
 from tasks.train import train_centralized
 
 
-@flow(name="centralized")
+@flow(name="centralized", **STAGE_RUN)
 def centralized_flow(root: str = ".") -> None:
     with stage_run("centralized", root) as ctx:
         pre = preflight(ctx.params, ctx.layout, "centralized", ctx.hw_class)
         ctx.extra_manifest.update(preflight=pre["estimate"], compute=pre["compute"], usd_per_hour=pre["usd_per_hour"])
-        result = train_centralized(ctx.params, ctx.layout, ctx.out.path("models/centralized.pt"))
-        for i, (p, q, s) in enumerate(zip(result["losses"]["pred"], result["losses"]["proprio"], result["losses"]["sigreg"])):
-            ctx.metric("loss/pred", p, step=i)
-            ctx.metric("loss/proprio", q, step=i)
-            ctx.metric("loss/sigreg", s, step=i)
+
+        def losses(step: int, values) -> None:  # recorded as training goes: the stage's MLflow run streams them
+            for name in ("loss/pred", "loss/proprio", "loss/sigreg"):
+                ctx.metric(name, values[name], step=step)
+
+        result = train_centralized(ctx.params, ctx.layout, ctx.out.path("models/centralized.pt"), on_losses=losses)
         for point in result["effective_dim_curve"]:
             ctx.metric("gauge/effective_dim", point["rankme"], step=point["step"])
         ctx.measured["perf/steps_per_second"] = result["steps"] / result["seconds"]

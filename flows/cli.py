@@ -2,50 +2,80 @@
 
     lensemble run STAGE        run one stage's Prefect flow (what `dvc repro` calls)
     lensemble pipeline         run every stage in order as subflows of one Prefect flow
-    lensemble check-params     validate params.yaml and print its hash
-    lensemble server url|stop  the project's Prefect server (started by the first stage that runs)
+    lensemble check-params     validate params.yaml: `params.yaml is valid (params hash <sha256>)`
+    lensemble server url|stop  the project's Prefect server: its UI address (`--api`: the API's), or stop it
     lensemble serve            the pipeline and scheduled federation rounds as deployments on that server
     lensemble site keygen SITE create the site's signing key at the site; print the fingerprint params pin
     lensemble site deploy SITE enrol a sovereign site and register its round deployment on its work pool
     lensemble budgets compare  measured budget values by hardware class and stage, from MLflow
     lensemble ablate           the (H, anchor weight) grid as a Prefect map: drift, success vs bytes
+    lensemble ui               the MLflow UI on the project's store, opened on the runs table (and the Prefect UI's address)
     lensemble bench [NAME ...] the benchmark suite, each figure beside its physical limit
     lensemble profile [CONFIG] torch profiler trace and span table of a training step
 
-Errors print one line, `lensemble: error: ...`, and exit with the error's code. The CLI is the top
-layer: it wires flows/ and benchmarks/ (`bench`, `profile`); `python -m flows.cli` is the same command.
+Errors print one line, `lensemble: error: ...`, and exit with the error's code; a stage's missing inputs
+are such an error before any Prefect server starts. Progress and stage lines go to stderr (logger
+`lensemble`) and, inside a run, to its Logs tab. The CLI is the top layer: it wires flows/ and
+benchmarks/ (`bench`, `profile`); `python -m flows.cli` is the same command.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 from pathlib import Path
 
-from flows.server import ensure_server, stop_server
+from flows.server import ServerRecord, ensure_server, stop_server, ui_url
 from lensemble.errors import ConfigError, LensembleError
 
 STAGES = ("prepare", "residency", "centralized", "federate", "gauge", "evaluate", "report")
 
 
 def offline_environment(root: Path) -> None:
-    """Telemetry off, a project-local Prefect home, a generous ephemeral-server start-up."""
+    """Telemetry off, a project-local Prefect home, a generous ephemeral-server start-up, and run logs at INFO.
+
+    Prefect's run loggers (`prefect.flow_runs`, `prefect.task_runs`) inherit PREFECT_LOGGING_LEVEL and
+    send to the API, so INFO fills each run's Logs tab; its console handler stays at WARNING, so a
+    terminal is not flooded with a "Finished in state Completed()" per task run. Lensemble's own lines
+    (logger `lensemble`: stage start and end, rounds, progress) reach the Logs tab as an extra logger
+    and the terminal through `console_logging`. Must run before Prefect is imported.
+    """
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("DVC_NO_ANALYTICS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")  # Prefect's client telemetry and its notice
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     os.environ.setdefault("PREFECT_HOME", str(root.resolve() / ".prefect"))
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "lensemble")
+    os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")  # a line outside a run: terminal only
     os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
 
 
+def console_logging() -> None:
+    """Lensemble's INFO lines on stderr as plain `HH:MM:SS | text` lines (readable in a non-TTY log)."""
+    logger = logging.getLogger("lensemble")
+    if any(getattr(h, "lensemble_console", False) for h in logger.handlers):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s | %(message)s", datefmt="%H:%M:%S"))
+    handler.lensemble_console = True
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # Prefect's console handler would print it a second time
+
+
 def stage_flow(stage: str, root: Path | str = "."):
-    """The flow function of a stage (federate: with the task runner its params ask for)."""
+    """The flow function of a stage, named and told (federate: with the task runner its params ask for)."""
+    from flows.runs import told
+
     module = importlib.import_module(f"flows.{stage}")
     if stage == "federate":
-        return module.configured_flow(root)
-    return getattr(module, f"{stage}_flow")
+        return told(module.configured_flow(root))
+    return told(getattr(module, f"{stage}_flow"))
 
 
 def _plot_worker(conn, path: str) -> None:
@@ -110,15 +140,19 @@ def profile_command(args: list[str]) -> int:
     return profile_main(args)
 
 
+SUITE_HELP = {"bench": "the benchmark suite, each figure beside its physical limit (lensemble bench --help)",
+              "profile": "torch profiler trace and span table of a training step (lensemble profile --help)"}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The parser of every command but `bench` and `profile`."""
+    """The parser of every command; `bench` and `profile` are listed here but parse their own arguments."""
     parser = argparse.ArgumentParser(prog="lensemble", description=__doc__.split("\n")[0])
     parser.add_argument("--root", default=".", help="project root (params.yaml, data/, reports/)")
     sub = parser.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="run one stage")
     run.add_argument("stage", choices=STAGES)
     sub.add_parser("pipeline", help="run all stages as one Prefect flow")
-    sub.add_parser("check-params", help="validate params.yaml")
+    sub.add_parser("check-params", help="validate params.yaml and print its hash")
     budgets = sub.add_parser("budgets", help="budget reports across runs")
     budgets.add_argument("action", choices=("compare",))
     budgets.add_argument("--plot", default="reports/plots/budgets_compare.png", help="where to write the plot")
@@ -127,12 +161,20 @@ def build_parser() -> argparse.ArgumentParser:
     ablate.add_argument("--anchor-weight", default="0,0.1", help="comma-separated anchor weights")
     ablate.add_argument("--parallel", type=int, default=1, help="grid points run at once")
     server = sub.add_parser("server", help="the project-local Prefect server")
-    server.add_argument("action", choices=("url", "stop"))
+    server.add_argument("action", choices=("url", "stop"),
+                        help="url: the Prefect UI's address (starting the server if none runs); stop: end it")
+    server.add_argument("--api", action="store_true",
+                        help="url: print the API address (for PREFECT_API_URL) instead of the UI's")
     sub.add_parser("serve", help="serve the pipeline and the scheduled federation-rounds deployments (until Ctrl-C)")
     site = sub.add_parser("site", help="sovereign sites")
     site.add_argument("action", choices=("keygen", "deploy"))
     site.add_argument("name", help="the site's name in params.yaml")
     site.add_argument("--force", action="store_true", help="keygen: replace an existing key (its old pin stops matching)")
+    ui = sub.add_parser("ui", help="serve the MLflow UI on the project's store; print its runs-table address and the Prefect UI's")
+    ui.add_argument("--port", type=int, default=5000, help="the MLflow UI's port on 127.0.0.1")
+    ui.add_argument("--no-serve", action="store_true", help="print the addresses only (a UI already runs on --port)")
+    for name, help_text in SUITE_HELP.items():  # dispatched before parsing (main): listed here so --help shows them
+        sub.add_parser(name, help=help_text, add_help=False).add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -145,18 +187,26 @@ def check_params_command(root: Path, args: argparse.Namespace) -> None:
     """`lensemble check-params`: validate params.yaml and print its hash."""
     from lensemble.config import load_params
 
-    print(load_params(root / "params.yaml").hash())
+    path = root / "params.yaml"
+    print(f"{path} is valid (params hash {load_params(path).hash()})")
 
 
 def run_command(root: Path, args: argparse.Namespace) -> None:
-    """`lensemble run STAGE`: one stage's flow, after the warm-start check."""
+    """`lensemble run STAGE`: one stage's flow, after its inputs and the warm start are checked."""
+    from flows.inputs import check_inputs
     from lensemble.config import load_params
+
+    # fail fast, before any server or run starts (and before torch is imported: a missing input takes < 2 s)
+    params = load_params(root / "params.yaml")
+    check_inputs(args.stage, params, root)
     from lensemble.model.warm_start import validate_warm_start
 
-    # fail fast, before any server or run starts
-    validate_warm_start(load_params(root / "params.yaml"), root)
+    validate_warm_start(params, root)
     ensure_server(prefect_home())
-    stage_flow(args.stage, root)(root=str(root))
+    from flows.runs import stage_tags
+
+    with stage_tags(args.stage, root):
+        stage_flow(args.stage, root)(root=str(root))
 
 
 def budgets_command(root: Path, args: argparse.Namespace) -> None:
@@ -178,18 +228,19 @@ def ablate_command(root: Path, args: argparse.Namespace) -> None:
                           f"got {args.inner_steps!r}, {args.anchor_weight!r}") from None
     if args.parallel < 1:
         raise ConfigError(f"--parallel must be >= 1, got {args.parallel}")
-    import yaml
-
-    from lensemble.config import load_params
+    from lensemble.config import load_params, load_yaml
     from orchestration.ablation import grid, point_params, require_inputs
 
-    raw = yaml.safe_load((root / "params.yaml").read_text()) if (root / "params.yaml").is_file() else None
+    raw = load_yaml(root / "params.yaml") if (root / "params.yaml").is_file() else None
     for point in grid(load_params(root / "params.yaml"), list(inner), list(anchors)):
         point_params(raw, point)
     require_inputs(root)  # all before any server, run or folder is started
     ensure_server(prefect_home())
-    ablation_flow.with_options(task_runner=ThreadPoolTaskRunner(max_workers=args.parallel))(
-        root=str(root), inner_steps=inner, anchor_weights=anchors)
+    from flows.runs import stage_tags
+
+    with stage_tags("ablation", root):
+        ablation_flow.with_options(task_runner=ThreadPoolTaskRunner(max_workers=args.parallel))(
+            root=str(root), inner_steps=inner, anchor_weights=anchors)
 
 
 def serve_command(root: Path, args: argparse.Namespace) -> None:
@@ -238,11 +289,51 @@ def site_command(root: Path, args: argparse.Namespace) -> None:
 
 
 def server_command(root: Path, args: argparse.Namespace) -> None:
-    """`lensemble server url|stop`."""
+    """`lensemble server url|stop`: the UI's address (`--api`: the API's), starting the server if needed; or stop it."""
+    home = prefect_home()
     if args.action == "stop":
-        print("stopped" if stop_server(prefect_home()) else "no server running")
+        record = ServerRecord.read(home)
+        if stop_server(home):
+            print(f"stopped the Prefect server at {record.ui_url}")
+        elif record is not None and record.prefect_home is not None and not record.belongs_to(home):
+            print(f"no server running for {home} "
+                  f"(its server.json is another project's, {record.prefect_home}: left alone)")
+        else:
+            print("no server running")
+        return
+    api = ensure_server(home)
+    print("ephemeral" if api is None else api if args.api else ui_url(api))
+
+
+def mlflow_runs_url(root: Path, port: int) -> str:
+    """The MLflow UI's runs table of the lensemble experiment (the UI opens in its GenAI mode without `workflowType`)."""
+    from orchestration.tracking import Tracker
+
+    return f"http://127.0.0.1:{port}/#/experiments/{Tracker(root).experiment_id}/runs?workflowType=machine_learning"
+
+
+def ui_command(root: Path, args: argparse.Namespace) -> None:
+    """`lensemble ui`: `mlflow ui` on the project's tracking store until Ctrl-C, after printing where to look."""
+    import subprocess
+
+    from orchestration.tracking import tracking_uri
+
+    print(f"MLflow runs:  {mlflow_runs_url(root, args.port)}", flush=True)
+    home = prefect_home()
+    record = ServerRecord.read(home)
+    if record is not None and record.belongs_to(home):
+        print(f"Prefect runs: {record.ui_url}/runs", flush=True)
     else:
-        print(ensure_server(prefect_home()) or "ephemeral")
+        print("Prefect runs: no server yet (the first stage starts it; then `lensemble server url`)", flush=True)
+    if args.no_serve:
+        return
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri(root), "--host", "127.0.0.1", "--port", str(args.port)]
+    try:
+        code = subprocess.call(cmd)
+    except KeyboardInterrupt:
+        return
+    if code != 0:
+        raise LensembleError(f"mlflow ui exited with code {code} (port {args.port} in use? try --port)")
 
 
 def pipeline_command(root: Path, args: argparse.Namespace) -> None:
@@ -252,14 +343,16 @@ def pipeline_command(root: Path, args: argparse.Namespace) -> None:
     load_params(root / "params.yaml")
     ensure_server(prefect_home())
     from flows.pipeline import pipeline_flow
+    from flows.runs import stage_tags
 
-    pipeline_flow(root=str(root))
+    with stage_tags("pipeline", root):
+        pipeline_flow(root=str(root))
 
 
 SUITES = {"bench": bench_command, "profile": profile_command}
 COMMANDS = {
     "check-params": check_params_command, "run": run_command, "budgets": budgets_command, "ablate": ablate_command,
-    "serve": serve_command, "site": site_command, "server": server_command, "pipeline": pipeline_command,
+    "serve": serve_command, "site": site_command, "server": server_command, "pipeline": pipeline_command, "ui": ui_command,
 }
 
 
@@ -269,8 +362,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in SUITES:
         return SUITES[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)
+    if args.cmd in SUITES:  # `lensemble --root R bench ...`: the suites take no root
+        return SUITES[args.cmd](args.args)
     root = Path(args.root)
     offline_environment(root)
+    console_logging()
     sys.path.insert(0, str(root.resolve()))
     try:
         COMMANDS[args.cmd](root, args)

@@ -7,6 +7,7 @@ import sys
 from prefect import flow
 from tqdm import tqdm
 
+from flows.runs import STAGE_RUN
 from lensemble.workflow import site_names
 from orchestration.evaluation import REFERENCES, evaluated_models
 from orchestration.runner import stage_run
@@ -28,7 +29,7 @@ def by_embodiment(results: dict, agents: tuple[str, ...]) -> dict:
     return table
 
 
-@flow(name="evaluate")
+@flow(name="evaluate", **STAGE_RUN)
 def evaluate_flow(root: str = ".") -> None:
     with stage_run("evaluate", root) as ctx:
         sites = site_names(ctx.params)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -21,12 +22,15 @@ from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 from tqdm import tqdm
 
+from flows.runs import STAGE_RUN
 from lensemble.perf import peak_memory_gib
 from orchestration.federation import baselines, commit_round, federation_round, open_federation, outer_step, remove_checkpoint, resume, summarize
 from orchestration.runner import stage_run
 from tasks.federation import record_round
 from tasks.preflight import preflight
 from tasks.residency import check_outputs
+
+log = logging.getLogger("lensemble.stage")
 
 
 def task_runner_for(p):
@@ -41,6 +45,17 @@ def task_runner_for(p):
     return ThreadPoolTaskRunner(max_workers=len(p.data.sites) + 4)
 
 
+def round_line(record: dict, rounds: int, eta_seconds: float) -> str:
+    """The line a committed round logs: its index, wall time, bytes on the wire, mean site loss, who dropped."""
+    sites = record["sites"]
+    comm = sum(v["comm_bytes"] for v in sites.values())
+    loss = sum(v["loss/pred"] for v in sites.values()) / len(sites)
+    dropped = f", dropped {sorted(record['dropped'])}" if record["dropped"] else ""
+    return (f"federate: round {record['round']:02d} ({record['round'] + 1} of {rounds}) done in {record['seconds']:.1f} s, "
+            f"{comm:,} bytes on the wire, mean site loss/pred {loss:.4f}, {len(sites)} sites{dropped}, "
+            f"ETA {eta_seconds:.0f} s")
+
+
 def configured_flow(root: str | Path = "."):
     """`federate_flow` with the task runner of the project's params."""
     from lensemble.config import load_params
@@ -48,7 +63,7 @@ def configured_flow(root: str | Path = "."):
     return federate_flow.with_options(task_runner=task_runner_for(load_params(Path(root) / "params.yaml")))
 
 
-@flow(name="federate")
+@flow(name="federate", **STAGE_RUN)
 def federate_flow(root: str = ".") -> None:
     with stage_run("federate", root) as ctx:
         p = ctx.params
@@ -58,9 +73,13 @@ def federate_flow(root: str = ".") -> None:
         state = resume(fed)
         ctx.extra_manifest["resumed_from_round"] = state.start
         outer = outer_step(p)
+        t0 = time.monotonic()
         for r in tqdm(range(state.start, p.federate.rounds), desc="federate rounds", unit="round", disable=not sys.stderr.isatty()):
             outcome = federation_round(fed, r, state, outer)
-            commit_round(fed, state, outcome, record_round(ctx, fed, outcome))
+            record = record_round(ctx, fed, outcome)
+            commit_round(fed, state, outcome, record)
+            per_round = (time.monotonic() - t0) / (r + 1 - state.start)
+            log.info(round_line(record, p.federate.rounds, per_round * (p.federate.rounds - r - 1)))
         torch.save(state.global_state, ctx.out.path("models/federated.pt"))
         head_adapt, local_only = baselines(ctx, fed, state.global_state)
         summary = summarize(ctx, fed, state, head_adapt, local_only)

@@ -5,6 +5,7 @@ import json
 
 from prefect import flow
 
+from flows.runs import STAGE_RUN
 from lensemble.errors import DataError
 from lensemble.gauge import gauge_over_rounds
 from orchestration.runner import stage_run
@@ -24,7 +25,7 @@ def _report(layout, name: str, stage: str) -> dict:
     return json.loads(path.read_text())
 
 
-@flow(name="gauge")
+@flow(name="gauge", **STAGE_RUN)
 def gauge_flow(root: str = ".") -> None:
     with stage_run("gauge", root) as ctx:
         rounds = _report(ctx.layout, "federate.json", "federate")["per_round"]

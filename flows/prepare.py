@@ -6,12 +6,13 @@ import sys
 from prefect import flow
 from tqdm import tqdm
 
+from flows.runs import STAGE_RUN
 from lensemble.workflow import embodiments
 from orchestration.runner import stage_run
 from tasks.data import generate_probe, generate_site
 
 
-@flow(name="prepare")
+@flow(name="prepare", **STAGE_RUN)
 def prepare_flow(root: str = ".") -> None:
     with stage_run("prepare", root) as ctx:
         sites = sorted(ctx.params.data.sites, key=lambda s: s.name)

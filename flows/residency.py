@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from prefect import flow
 
+from flows.runs import STAGE_RUN
 from lensemble.workflow import site_names
 from orchestration.runner import stage_run
 from tasks.residency import audit_site
 
 
-@flow(name="residency")
+@flow(name="residency", **STAGE_RUN)
 def residency_flow(root: str = ".") -> None:
     with stage_run("residency", root) as ctx:
         sites = site_names(ctx.params)

@@ -35,10 +35,10 @@ def deployments(root: Path, p: Params) -> list:
     params = {"root": str(Path(root).resolve())}
     return [
         pipeline_flow.to_deployment(name="pipeline", parameters=params, description="Every Lensemble stage in DVC's order.",
-                                    tags=["lensemble"]),
+                                    tags=["lensemble", "stage:pipeline"]),
         configured_flow(root).to_deployment(name="federation-rounds", parameters=params, schedule=schedule_of(p),
                                             description="DiLoCo rounds over every site; each round publishes drift, bytes and budgets.",
-                                            tags=["lensemble", "federation"]),
+                                            tags=["lensemble", "federation", "stage:federate"]),
     ]
 
 

@@ -18,7 +18,7 @@ from lensemble.paths import Layout
 from orchestration.site_agent import enrol, site_round
 
 
-@flow(name="site-round")
+@flow(name="site-round", flow_run_name="{site}-round-{round_idx:02d}")
 def site_round_flow(root: str, site: str, run_id: str, round_idx: int) -> dict:
     """Train H inner steps at the site and answer the round's exchange protocol (orchestration.site_agent.site_round)."""
     return site_round(root, site, run_id, round_idx)

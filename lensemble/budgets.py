@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from lensemble.config import load_yaml
 from lensemble.errors import ConfigError
 from lensemble.observability.metrics import CANONICAL
 
@@ -66,8 +66,8 @@ def load_budgets(path: Path) -> list[Budget]:
     """Parse and validate budgets.yaml; ConfigError naming the bad entry."""
     if not Path(path).is_file():
         raise ConfigError(f"budgets file {path} does not exist")
-    raw = yaml.safe_load(Path(path).read_text()) or {}
-    entries = raw.get("budgets")
+    raw = load_yaml(path, "budgets file") or {}
+    entries = raw.get("budgets") if isinstance(raw, dict) else None
     if not isinstance(entries, list):
         raise ConfigError(f"{path}: expected a top-level 'budgets' list")
     out = []

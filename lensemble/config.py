@@ -347,13 +347,51 @@ def parse_params(raw: Any) -> Params:
         raise ConfigError(_format_error(first)) from None
 
 
-def load_params(path: str | Path = "params.yaml") -> Params:
-    """Read and validate `params.yaml`; ConfigError if missing, unparsable or invalid."""
+class DuplicateKey(yaml.YAMLError):
+    """A mapping key given twice; the marks are PyYAML's (0-based line and column)."""
+
+    def __init__(self, key: Any, first: yaml.Mark, second: yaml.Mark) -> None:
+        super().__init__(f"duplicate key {key!r}")
+        self.key, self.first, self.second = key, first, second
+
+
+class StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, yaml.Mark] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` may be overridden key by key
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise DuplicateKey(key, seen[key], key_node.start_mark)
+            if isinstance(key, typing.Hashable):
+                seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(path: str | Path, what: str = "params file") -> Any:
+    """Parse a user's YAML file; ConfigError naming the file and the 1-based line and column of a syntax error
+    or of both places a duplicated key is given."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"params file {path} does not exist")
+        raise ConfigError(f"{what} {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text())
+        return yaml.load(path.read_text(), Loader=StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+    except DuplicateKey as exc:
+        raise ConfigError(f"{what} {path}: key {exc.key!r} is given twice, at line {exc.first.line + 1} and at line "
+                          f"{exc.second.line + 1}; keep one") from None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = exc.problem or exc.context or "syntax error"
+        raise ConfigError(f"{what} {path} is not valid YAML{where}: {problem}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"params file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
-    return parse_params(raw)
+        raise ConfigError(f"{what} {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    """Read and validate `params.yaml`; ConfigError if missing, unparsable (with line and column), a key is
+    duplicated, or a value is invalid."""
+    return parse_params(load_yaml(path))

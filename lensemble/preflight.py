@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
 
-from lensemble.config import Params
+from lensemble.config import Params, load_yaml
 from lensemble.errors import BudgetExceeded, ConfigError
 
 
@@ -20,8 +19,8 @@ def load_pricing(path: Path) -> dict[str, dict[str, float]]:
     """hardware class → {usd_per_hour, sustained_tflops}; ConfigError on a malformed file."""
     if not Path(path).is_file():
         raise ConfigError(f"pricing file {path} does not exist")
-    raw = yaml.safe_load(Path(path).read_text()) or {}
-    classes = raw.get("classes")
+    raw = load_yaml(path, "pricing file") or {}
+    classes = raw.get("classes") if isinstance(raw, dict) else None
     if not isinstance(classes, dict):
         raise ConfigError(f"{path}: expected a top-level 'classes' mapping")
     for name, entry in classes.items():

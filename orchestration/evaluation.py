@@ -1,6 +1,8 @@
 """The world models the gauge and evaluate stages read, and the closed-loop comparison of any of them on one site."""
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 
 import torch
@@ -54,6 +56,7 @@ MODEL_LOADERS = {
     "random": lambda params, layout, site: None,
 }
 REFERENCES = ("oracle", "random")  # the protocol's ceiling and floor, read beside every model
+log = logging.getLogger("lensemble.progress")
 
 
 def evaluate_models(params: Params, layout: Layout, site: str, names: tuple[str, ...]) -> dict:
@@ -72,9 +75,12 @@ def evaluate_models(params: Params, layout: Layout, site: str, names: tuple[str,
     seeds = eval_seeds(params, embodiment)
     out = {}
     try:
-        for name, model in models.items():
+        for i, (name, model) in enumerate(models.items(), start=1):
             gen = generator(params.run.seed, f"cem/{name}", participant=site)
+            t0 = time.monotonic()
             out[name] = evaluate(env, seeds, params.evaluate.max_steps, model, cfg, gen, c.execute_steps, c.context, params.model.proprio_dim)
+            log.info(f"evaluate {site}: agent {i}/{len(models)} {name}, success {out[name]['success_rate']:.2f} over "
+                     f"{len(seeds)} episodes, {time.monotonic() - t0:.1f} s")
     finally:
         env.close()
     return {"embodiment": embodiment, "success_criterion": f"{env.criterion}: {env.success_criteria[env.criterion]}",

@@ -240,6 +240,15 @@ def source_tags(stage: str, commit: str) -> dict[str, str]:
     return tags
 
 
+def run_tags(stage: str, params: Params, root: Path) -> tuple[dict[str, str], str]:
+    """The MLflow tags of a run of `stage` (or of the `pipeline`) and the key of its configuration's parent run."""
+    commit, dirty = git_state(root)
+    tags = {"lensemble.stage": stage, "lensemble.hardware_class": hardware_class(params.run.hardware_class),
+            "lensemble.git_commit": commit, "lensemble.git_dirty": str(dirty), "lensemble.params_hash": params.hash(),
+            **source_tags(stage, commit), **run_links()}
+    return tags, f"{params.hash()[:16]}-{commit[:12]}{'-dirty' if dirty else ''}"
+
+
 def _open_run(root: Path, pipeline_key: str, tags: dict[str, str], stage: str) -> _OpenRun:
     """Import MLflow, open the store, find or create the parent run and create the stage run."""
     lowest_priority()
@@ -291,11 +300,8 @@ def stage_run(stage: str, root: Path | str = ".", params_path: str = "params.yam
     layout = Layout(Path(root))
     started = time.time()
     params = load_params(layout.root / params_path)  # ConfigError before anything is created
-    commit, dirty = git_state(layout.root)
-    hw = hardware_class(params.run.hardware_class)
-    tags = {"lensemble.stage": stage, "lensemble.hardware_class": hw, "lensemble.git_commit": commit,
-            "lensemble.git_dirty": str(dirty), "lensemble.params_hash": params.hash(), **source_tags(stage, commit), **run_links()}
-    pipeline_key = f"{params.hash()[:16]}-{commit[:12]}{'-dirty' if dirty else ''}"
+    tags, pipeline_key = run_tags(stage, params, layout.root)
+    hw = tags["lensemble.hardware_class"]
     pool = ThreadPoolExecutor(1, thread_name_prefix="mlflow-open")
     opening = pool.submit(_open_run, layout.root, pipeline_key, tags, stage)
     pool.shutdown(wait=False)

@@ -39,6 +39,12 @@ def _artifact_root(uri: str, root: Path) -> str | None:
     return None
 
 
+def parent_name(pipeline_key: str) -> str:
+    """`pipeline-<params hash, 8 hex>-<commit, 7 hex>[-dirty]` from a key `<params16>-<commit12>[-dirty][-...]`."""
+    parts = pipeline_key.split("-")
+    return "-".join(["pipeline", parts[0][:8], *(p[:7] for p in parts[1:2]), *(["dirty"] if "dirty" in parts[2:] else [])])
+
+
 class Tracker:
     """A thin client bound to the lensemble experiment."""
 
@@ -68,10 +74,10 @@ class Tracker:
             return found[0].info.run_id
         from mlflow.entities import RunStatus
 
-        params8, _, rest = pipeline_key.partition("-")
-        parent_tags = {k: v for k, v in tags.items() if k not in STAGE_ONLY_TAGS}
-        run = self.client.create_run(self.experiment_id, run_name=f"pipeline-{params8[:8]}-{rest[:7]}{'-dirty' if rest.endswith('-dirty') else ''}",
-                                     tags={**parent_tags, "mlflow.source.name": "dvc repro", "lensemble.pipeline_key": pipeline_key,
+        parent_tags = {k: v for k, v in tags.items() if k not in STAGE_ONLY_TAGS or tags.get("lensemble.stage") == "pipeline"}
+        source = "lensemble pipeline" if tags.get("lensemble.stage") == "pipeline" else "dvc repro"
+        run = self.client.create_run(self.experiment_id, run_name=parent_name(pipeline_key),
+                                     tags={**parent_tags, "mlflow.source.name": source, "lensemble.pipeline_key": pipeline_key,
                                            "lensemble.kind": "pipeline"})
         self.client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.FINISHED))
         return run.info.run_id

@@ -23,7 +23,7 @@ for s in raw["data"]["sites"]:  # what each site does first (`lensemble site key
 make_project(root, raw)
 PY
 export PREFECT_HOME="$P/.prefect" MLFLOW_TRACKING_URI="sqlite:///$P/mlflow.db"
-export PREFECT_API_URL=$(lensemble --root "$P" server url)
+export PREFECT_API_URL=$(lensemble --root "$P" server url --api)
 echo "server: $PREFECT_API_URL"
 lensemble --root "$P" run prepare
 for s in site_a site_b; do

@@ -14,7 +14,7 @@ from orchestration.ablation import Point, point_root, run_stage
 from orchestration.evaluation import evaluate_models
 
 
-@task(name="ablation-point", cache_policy=NONE)
+@task(name="ablation-point", task_run_name="ablation-{point.tag}", cache_policy=NONE)
 def run_point(root: Path, raw: dict, point: Point) -> dict:
     """Federate, gauge and evaluate one grid point; returns its communication, drift and success."""
     sub = point_root(root, raw, point)

@@ -9,10 +9,11 @@ from prefect.cache_policies import NONE
 from lensemble.config import Params
 from lensemble.data.audit import fingerprints, index_path
 from lensemble.data.episodes import data_manifest, generate_episodes, write_episodes
+from lensemble.observability.progress import Progress
 from lensemble.sim.registry import make_embodiment
 
 
-@task(name="generate-site", cache_policy=NONE)
+@task(name="generate-site", task_run_name="generate-{site}", cache_policy=NONE)
 def generate_site(params: Params, site: str, embodiment: str, episodes: int, out_path: Path, index_out: Path | None = None) -> dict:
     """Generate one site's episodes into `out_path` and its private-content index into `index_out`.
 
@@ -22,14 +23,16 @@ def generate_site(params: Params, site: str, embodiment: str, episodes: int, out
     """
     env = make_embodiment(embodiment, params.data.image_size)
     d = params.data
-    eps = generate_episodes(env, params.run.seed, f"site/{site}", episodes, d.episode_length, d.expert_noise, d.random_fraction, d.segment_length)
+    progress = Progress(f"generate {site}", episodes, unit="episode", every_fraction=0.25)
+    eps = generate_episodes(env, params.run.seed, f"site/{site}", episodes, d.episode_length, d.expert_noise, d.random_fraction,
+                            d.segment_length, progress=progress.advance)
     env.close()
     write_episodes(eps, out_path)
     fingerprints(eps).save(index_out or index_path(out_path))
     return data_manifest(eps, out_path)
 
 
-@task(name="generate-probe", cache_policy=NONE)
+@task(name="generate-probe", task_run_name="generate-probe-{embodiment}", cache_policy=NONE)
 def generate_probe(params: Params, embodiment: str, out_path: Path) -> dict:
     """The public probe of one embodiment, from its own public seed namespace."""
     env = make_embodiment(embodiment, params.data.image_size)

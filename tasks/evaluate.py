@@ -12,7 +12,7 @@ from lensemble.workflow import probe_frames, site_names
 from orchestration.evaluation import REFERENCES, evaluate_models, evaluated_models, load_centralized, load_federated_for_site
 
 
-@task(name="gauge-final", cache_policy=NONE)
+@task(name="gauge-final", task_run_name="gauge-final", cache_policy=NONE)
 def gauge_final(params: Params, layout: Layout) -> dict:
     """Final-model diagnostics on the probe: Stage A vs Stage B frame drift and effective dimensions."""
     probe = probe_frames(layout, params)
@@ -27,7 +27,7 @@ def gauge_final(params: Params, layout: Layout) -> dict:
     }
 
 
-@task(name="evaluate-site", cache_policy=NONE)
+@task(name="evaluate-site", task_run_name="evaluate-{site}", cache_policy=NONE)
 def evaluate_site(params: Params, layout: Layout, site: str) -> dict:
     """Closed-loop success of Stage A, Stage B, the local-only baseline (if trained), the oracle and random actions on one site's embodiment."""
     return evaluate_models(params, layout, site, evaluated_models(params) + REFERENCES)

@@ -16,7 +16,7 @@ from lensemble.gauge import drift, effective_dim, sample_pairs
 from lensemble.seeds import derive_seed
 
 
-@task(name="aggregate", cache_policy=NONE, retries=1)
+@task(name="aggregate", task_run_name="round-{ctx.round_idx:02d}-aggregate", cache_policy=NONE, retries=1)
 def aggregate_round(ctx: RoundContext, aggregator: AggregatorCodec, payloads: Mapping[str, bytes], params: dict, momentum: dict | None,
                     lr: float, beta: float) -> tuple[dict, dict, float]:
     """Verify, average and take the outer Nesterov step (self-checked); returns (params, momentum, seconds).
@@ -29,7 +29,7 @@ def aggregate_round(ctx: RoundContext, aggregator: AggregatorCodec, payloads: Ma
     return new_params, new_buf, time.perf_counter() - t0
 
 
-@task(name="gauge-round", cache_policy=NONE)
+@task(name="gauge-round", task_run_name="round-{round_idx:02d}-gauge", cache_policy=NONE)
 def gauge_round(run_seed: int, round_idx: int, site_probes: Mapping[str, torch.Tensor], global_probe: torch.Tensor, num_pairs: int) -> dict:
     """Drift of sampled site pairs and the effective dimension of the new global model's probe embeddings."""
     t0 = time.perf_counter()
@@ -39,7 +39,7 @@ def gauge_round(run_seed: int, round_idx: int, site_probes: Mapping[str, torch.T
     return {"pairs": pairs, "effective_dim": effective_dim(global_probe), "seconds": time.perf_counter() - t0}
 
 
-@task(name="record-round", cache_policy=NONE)
+@task(name="record-round", task_run_name="round-{outcome.round_idx:02d}-record", cache_policy=NONE)
 def record_round(ctx, fed, outcome) -> dict:
     """The round's metrics (MLflow, metrics.jsonl) and Prefect artifacts; returns its history entry.
 

@@ -14,7 +14,7 @@ from lensemble.preflight import enforce, estimate, load_pricing
 from lensemble.workflow import site_names
 
 
-@task(name="preflight", cache_policy=NONE)
+@task(name="preflight", task_run_name="preflight-{stage}", cache_policy=NONE)
 def preflight(params: Params, layout: Layout, stage: str, hw_class: str) -> dict:
     """Counted FLOPs, memory and wire bytes → totals, cost; BudgetExceeded before any training if over a ceiling."""
     summary = compute_summary(params, anchor=stage == "federate")

@@ -24,7 +24,7 @@ def output_targets(layout) -> list:
     return [layout.exchange, layout.reports, layout.root / "mlflow.db", layout.root / "mlartifacts", *prefect_db]
 
 
-@task(name="audit-site", cache_policy=NONE)
+@task(name="audit-site", task_run_name="audit-{site}", cache_policy=NONE)
 def audit_site(params, layout, site: str, manifest: dict) -> dict:
     """Guard the site's manifest and scan the shared areas for its private rows."""
     index = load_index(layout.site_episodes(site), load_site(layout, params, site))

@@ -11,21 +11,21 @@ from lensemble.federation.rounds import SiteEndpoint
 from lensemble.federation.transport import RoundContext
 
 
-@task(name="site-announce", cache_policy=NONE)
+@task(name="site-announce", task_run_name="{endpoint.site}-round-{ctx.round_idx:02d}-announce", cache_policy=NONE)
 def site_announce(endpoint: SiteEndpoint, ctx: RoundContext, shares: Mapping[str, bytes]) -> tuple[bytes, float]:
     """The site takes the roster and sends its pre-encoding message (e.g. its block scales); and the task's seconds."""
     t0 = time.perf_counter()
     return endpoint.announce(ctx, shares), time.perf_counter() - t0
 
 
-@task(name="site-encode", cache_policy=NONE)
+@task(name="site-encode", task_run_name="{endpoint.site}-round-{ctx.round_idx:02d}-encode", cache_policy=NONE)
 def site_encode(endpoint: SiteEndpoint, ctx: RoundContext, grid: bytes) -> tuple[tuple[bytes, float], float]:
     """The site takes the grid and serialises (quantizes, masks, signs) its Δ_c: ((payload, encode seconds), task seconds)."""
     t0 = time.perf_counter()
     return endpoint.encode(ctx, grid), time.perf_counter() - t0
 
 
-@task(name="site-round", cache_policy=NONE)
+@task(name="site-round", task_run_name="{site}-round-{round_idx:02d}", cache_policy=NONE)
 def site_round_task(root: str, site: str, run_id: str, round_idx: int) -> dict:
     """A sovereign site's round (orchestration.site_agent.site_round) as a task of the coordinator's runner
     (`federate.site_launch: task`, one machine)."""

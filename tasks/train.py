@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -16,6 +18,7 @@ from lensemble.federation.dp import clip_update, update_clip
 from lensemble.federation.transport import param_spec
 from lensemble.gauge import drift, effective_dim, pool_tokens, pooled_checkpoints
 from lensemble.model.world_model import federated_state, load_federated, local_state
+from lensemble.observability.progress import Progress
 from lensemble.paths import Layout
 from lensemble.perf import component_latency
 from lensemble.training import encode_frames, make_optimizer, train_steps
@@ -23,9 +26,15 @@ from lensemble.workflow import (build_model, load_probe_episodes, load_site, pro
                                 warm_start)
 
 
-@task(name="train-centralized", cache_policy=NONE)
-def train_centralized(params: Params, layout: Layout, model_path: Path) -> dict:
-    """Stage A: one model on the pooled episodes of every site (the upper bound)."""
+def loss_progress(progress: Progress, step: int, losses) -> None:
+    """`train_steps`' on_step hook: count the step, show its prediction loss when a line is printed."""
+    progress.update(step + 1, {"loss/pred": losses["loss/pred"]})
+
+
+@task(name="train-centralized", task_run_name="train-centralized", cache_policy=NONE)
+def train_centralized(params: Params, layout: Layout, model_path: Path,
+                      on_losses: Callable[[int, Mapping[str, float]], None] | None = None) -> dict:
+    """Stage A: one model on the pooled episodes of every site (the upper bound); `on_losses(step, losses)` after each step."""
     torch.set_num_threads(params.run.torch_threads)
     model = build_model(params, "centralized")
     warm_start(model, params, layout)
@@ -35,9 +44,13 @@ def train_centralized(params: Params, layout: Layout, model_path: Path) -> dict:
     marks = pooled_checkpoints(params)
     curve: list[dict] = []
     curve_seconds = 0.0
+    progress = Progress("centralized", params.centralized.steps)
 
-    def record(step: int, _losses) -> None:  # the pooled model's effective dimension at the federation's round marks
+    def record(step: int, losses) -> None:  # the pooled model's effective dimension at the federation's round marks
         nonlocal curve_seconds
+        loss_progress(progress, step, losses)
+        if on_losses is not None:
+            on_losses(step, losses)
         if step + 1 in marks:
             t = time.perf_counter()
             curve.append({"step": step + 1, **effective_dim(pool_tokens(encode_frames(model, probe)))})
@@ -54,7 +67,7 @@ def train_centralized(params: Params, layout: Layout, model_path: Path) -> dict:
             "steps": params.centralized.steps, "latency": latency, "effective_dim_curve": curve}
 
 
-@task(name="train-local-only", cache_policy=NONE)
+@task(name="train-local-only", task_run_name="{site}-local-only-train", cache_policy=NONE)
 def train_local_only(params: Params, layout: Layout, site: str, model_path: Path) -> dict:
     """The no-federation baseline: the site trains alone for as many steps as it trains in Stage B."""
     torch.set_num_threads(params.run.torch_threads)
@@ -63,13 +76,14 @@ def train_local_only(params: Params, layout: Layout, site: str, model_path: Path
     opt = make_optimizer(model, params.train)
     sampler = sampler_for(load_site(layout, params, site), params)
     steps = params.federate.rounds * params.federate.inner_steps
+    progress = Progress(f"{site} local-only", steps)
     log = train_steps(model, opt, [(site_embodiment(params, site), sampler)], steps, train=params.train, objective=params.objective,
-                      run_seed=params.run.seed, round_idx=-2, data_key=site)
+                      run_seed=params.run.seed, round_idx=-2, data_key=site, on_step=partial(loss_progress, progress))
     torch.save(model.state_dict(), model_path)
     return {"steps": steps, **log.mean()}
 
 
-@task(name="site-train", cache_policy=NONE)
+@task(name="site-train", task_run_name="{site}-round-{round_idx:02d}-train", cache_policy=NONE)
 def site_train(params: Params, layout: Layout, site: str, round_idx: int, global_state: dict, probe: torch.Tensor,
                global_probe: torch.Tensor, state_path: Path, delta_path: Path) -> dict:
     """H inner steps at one site from the round's global parameters.
@@ -94,9 +108,12 @@ def site_train(params: Params, layout: Layout, site: str, round_idx: int, global
     dyn = round_dynamics(params, model, eps, load_probe_episodes(layout, params, embodiment))
     dyn_seconds = time.perf_counter() - t0
     sampler = sampler_for(eps, params)
+    # one line a round (45 in a default run), more only when a round is slow
+    progress = Progress(f"{site} round {round_idx:02d}", params.federate.inner_steps, every_fraction=None)
     t0 = time.perf_counter()
     log = train_steps(model, opt, [(embodiment, sampler)], params.federate.inner_steps, train=params.train, objective=params.objective,
-                      run_seed=params.run.seed, round_idx=round_idx, data_key=site, probe_PCHW=probe, global_probe_PND=global_probe)
+                      run_seed=params.run.seed, round_idx=round_idx, data_key=site, probe_PCHW=probe,
+                      global_probe_PND=global_probe, on_step=partial(loss_progress, progress))
     train_seconds = time.perf_counter() - t0
     local = federated_state(model)
     delta = {n: local[n] - global_state[n] for n in sorted(global_state)}
@@ -117,7 +134,7 @@ def site_train(params: Params, layout: Layout, site: str, round_idx: int, global
     return {"metrics": metrics, "probe_embedding": site_probe, "task_seconds": task_seconds}
 
 
-@task(name="site-adapt-head", cache_policy=NONE)
+@task(name="site-adapt-head", task_run_name="{site}-adapt-head", cache_policy=NONE)
 def site_adapt_head(params: Params, layout: Layout, site: str, global_state: dict, state_path: Path) -> dict:
     """After the last round: the site fits its LOCAL action head to the final global encoder and predictor.
 
@@ -134,8 +151,10 @@ def site_adapt_head(params: Params, layout: Layout, site: str, global_state: dic
         p.requires_grad_(name.startswith(f"action_heads.{embodiment}."))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=params.train.lr, weight_decay=params.train.weight_decay, foreach=True)
     sampler = sampler_for(load_site(layout, params, site), params)
+    progress = Progress(f"{site} head re-fit", params.federate.head_adapt_steps, every_fraction=None)
     log = train_steps(model, opt, [(embodiment, sampler)], params.federate.head_adapt_steps, train=params.train, objective=params.objective,
-                      run_seed=params.run.seed, round_idx=params.federate.rounds, data_key=site)
+                      run_seed=params.run.seed, round_idx=params.federate.rounds, data_key=site,
+                      on_step=partial(loss_progress, progress))
     for p in model.parameters():
         p.requires_grad_(True)
     torch.save({"model": model.state_dict(), "optimizer": saved["optimizer"]}, state_path)

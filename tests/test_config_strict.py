@@ -220,4 +220,5 @@ def test_check_params_on_a_good_file_prints_its_hash(tmp_path):
     (tmp_path / "params.yaml").write_text(yaml.safe_dump({**BASE, "dp": {"enabled": True}}))
     proc = _check_params(tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == parse_params({**BASE, "dp": {"enabled": True}}).hash()
+    digest = parse_params({**BASE, "dp": {"enabled": True}}).hash()
+    assert proc.stdout.strip() == f"{tmp_path / 'params.yaml'} is valid (params hash {digest})"

@@ -67,7 +67,8 @@ def test_pipeline_end_to_end(prefect_server, project):
         assert r.data.tags["mlflow.parentRunId"] == parents[0].info.run_id
         assert r.info.status == "FINISHED"
         assert {"lensemble.hardware_class", "lensemble.git_commit", "lensemble.params_hash"} <= set(r.data.tags)
-        assert any(a.path.endswith(".json") for a in client.list_artifacts(r.info.run_id))
+        manifest = f"reports/manifests/{r.data.tags['lensemble.stage']}.json"  # under its folder in the project
+        assert manifest in {a.path for a in client.list_artifacts(r.info.run_id, "reports/manifests")}
         assert {"perf/tracking_seconds", "perf/tracking_background_seconds", "perf/stage_seconds"} <= set(r.data.metrics)
     by_stage = {r.data.tags["lensemble.stage"]: r.data.metrics for r in children}
     assert {"perf/encoder_forward_ms", "perf/predictor_step_fraction", "perf/objective_fraction", "perf/peak_memory_gib"} <= set(by_stage["centralized"])
