@@ -203,10 +203,7 @@ def run_command(root: Path, args: argparse.Namespace) -> None:
 
     validate_warm_start(params, root)
     ensure_server(prefect_home())
-    from flows.runs import stage_tags
-
-    with stage_tags(args.stage, root):
-        stage_flow(args.stage, root)(root=str(root))
+    stage_flow(args.stage, root)(root=str(root))
 
 
 def budgets_command(root: Path, args: argparse.Namespace) -> None:
@@ -236,11 +233,8 @@ def ablate_command(root: Path, args: argparse.Namespace) -> None:
         point_params(raw, point)
     require_inputs(root)  # all before any server, run or folder is started
     ensure_server(prefect_home())
-    from flows.runs import stage_tags
-
-    with stage_tags("ablation", root):
-        ablation_flow.with_options(task_runner=ThreadPoolTaskRunner(max_workers=args.parallel))(
-            root=str(root), inner_steps=inner, anchor_weights=anchors)
+    ablation_flow.with_options(task_runner=ThreadPoolTaskRunner(max_workers=args.parallel))(
+        root=str(root), inner_steps=inner, anchor_weights=anchors)
 
 
 def serve_command(root: Path, args: argparse.Namespace) -> None:
@@ -343,10 +337,7 @@ def pipeline_command(root: Path, args: argparse.Namespace) -> None:
     load_params(root / "params.yaml")
     ensure_server(prefect_home())
     from flows.pipeline import pipeline_flow
-    from flows.runs import stage_tags
-
-    with stage_tags("pipeline", root):
-        pipeline_flow(root=str(root))
+    pipeline_flow(root=str(root))
 
 
 SUITES = {"bench": bench_command, "profile": profile_command}

@@ -14,7 +14,7 @@ from flows.gauge import gauge_flow
 from flows.prepare import prepare_flow
 from flows.report import report_flow
 from flows.residency import residency_flow
-from flows.runs import STAGE_RUN, stage_tags, told
+from flows.runs import STAGE_RUN, told
 
 STAGE_FLOWS = (prepare_flow, residency_flow, centralized_flow, federate_flow, gauge_flow, evaluate_flow, report_flow)
 
@@ -32,8 +32,7 @@ def pipeline_flow(root: str = ".") -> None:
     os.environ["LENSEMBLE_PIPELINE_RUN"] = parent
     try:
         for stage in STAGE_FLOWS:
-            with stage_tags(stage.name, root):
-                told(configured_flow(root) if stage is federate_flow else stage)(root=root)
+            told(configured_flow(root) if stage is federate_flow else stage)(root=root)
     finally:
         if previous is None:
             os.environ.pop("LENSEMBLE_PIPELINE_RUN", None)

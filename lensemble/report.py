@@ -35,8 +35,10 @@ EFFECTIVE_DIM_WARN_FRACTION = 0.10
 VERDICT_RULE = (
     f"Federation **worked** on an embodiment when the federated model's success rate is within {WITHIN_POOLED:.0%} of "
     f"the pooled model's (≥ {1 - WITHIN_POOLED:.1f} × pooled), not significantly below it, and significantly above "
-    "random actions; it is **inconclusive** when it did not work but the pooled model itself is not significantly "
-    "above random (the task does not separate a trained model from none); otherwise it **did not work**. "
+    "random actions. It **did not work** when the federated model is significantly below pooled or not "
+    "significantly above random while pooled is. It is **not shown** when the federated model is below that "
+    f"margin but not significantly (these episodes cannot tell; evaluate more), and **inconclusive** when the pooled "
+    "model itself is not significantly above random (the task does not separate a trained model from none). "
     f"Significance: two-sided Fisher exact test (`scipy.stats.fisher_exact`) on the success counts, p < {ALPHA:g}. "
     "Intervals: 95% Wilson score.")
 
@@ -71,7 +73,7 @@ class Verdict:
     p_vs_local: float | None  # federated vs local-only; None when local-only was not trained
     p_vs_random: float  # federated vs random actions
     p_pooled_vs_random: float
-    outcome: str  # "worked" | "did not work" | "inconclusive"
+    outcome: str  # "worked" | "did not work" | "not shown" | "inconclusive"
     readings: tuple[str, ...]  # plain-words comparisons, in the order of the rule
 
 
@@ -106,7 +108,9 @@ def judge(embodiment: str, counts: dict[str, Count]) -> Verdict:
     worse = fed.rate < pooled.rate and p_pooled < ALPHA
     above_random = fed.rate > rand.rate and p_random < ALPHA
     pooled_above_random = pooled.rate > rand.rate and p_pooled_random < ALPHA
-    if fed.rate > (1 + WITHIN_POOLED) * pooled.rate:
+    if fed.successes == pooled.successes == 0:
+        readings = [f"federated and pooled both never succeeded ({_versus(fed, pooled, p_pooled)})"]
+    elif fed.rate > (1 + WITHIN_POOLED) * pooled.rate:
         readings = [f"federated above pooled ({_versus(fed, pooled, p_pooled)})"]
     elif within:
         readings = [f"federated within {WITHIN_POOLED:.0%} of pooled ({_versus(fed, pooled, p_pooled)})"]
@@ -129,8 +133,10 @@ def judge(embodiment: str, counts: dict[str, Count]) -> Verdict:
     elif not pooled_above_random:
         outcome = "inconclusive"
         readings.append(f"pooled itself not above random ({_versus(pooled, rand, p_pooled_random)})")
-    else:
+    elif worse or not above_random:
         outcome = "did not work"
+    else:
+        outcome = "not shown"
     return Verdict(embodiment, counts, p_pooled, p_local, p_random, p_pooled_random, outcome, tuple(readings))
 
 
@@ -150,6 +156,7 @@ def verdict_lines(rows: list[Verdict]) -> list[str]:
     lines.append("")
     for v in rows:
         answer = {"worked": "federation worked", "did not work": "federation did not work",
+                  "not shown": "federation not shown to work (below the margin, not significantly: more episodes would tell)",
                   "inconclusive": "inconclusive, federation cannot be judged"}[v.outcome]
         lines.append(f"- **{v.embodiment}: {answer}** — {'; '.join(v.readings)}.")
     return lines
@@ -295,7 +302,8 @@ def plot_losses(central: list[dict], federate: dict, path: Path) -> None:
             label=f"pooled, mean of each {h}-step window")
     ax.plot([r["step"] for r in fed], [r["federated"] for r in fed], color=COLORS["federated"], marker="o",
             label=f"federated, site mean of a round's H={h} inner steps")
-    ax.set(title="Prediction loss: pooled (Stage A) vs federated (Stage B)", yscale="log",
+    ax.set(title="Prediction loss: pooled (Stage A) vs federated (Stage B)\n(latent MSE: it rises early as SIGReg "
+                 "spreads the near-collapsed initial embeddings)", yscale="log",
            xlabel="optimizer steps (pooled) / inner steps per site (federated)",
            ylabel="loss/pred (latent MSE, log scale)")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=8, frameon=False)
@@ -307,7 +315,7 @@ def plot_drift(rounds: list[dict], path: Path) -> None:
     xs = [r["round"] for r in rounds]
     fig, ax = plt.subplots(figsize=(7, 3.8))
     ax.axhspan(DRIFT_WARN_DEG, 180, color="tab:red", alpha=0.08,
-               label=f"mean angle over {DRIFT_WARN_DEG:g}°: warning (half-way to unrelated; report convention)")
+               label=f"warning when the MEAN angle is over {DRIFT_WARN_DEG:g}° (half-way to unrelated; report convention)")
     ax.axhline(DRIFT_CHANCE_DEG, color="black", linestyle="--", linewidth=0.8,
                label=f"{DRIFT_CHANCE_DEG:g}°: unrelated frames (mean angle of a random rotation)")
     ax.plot(xs, [r["drift_angle_deg_mean"] for r in rounds], marker="o", color="tab:blue",
@@ -415,7 +423,7 @@ def render_markdown(figures: dict, budgets: list[dict], hw_class: str, hardware:
         f"- final drift (mean over sites): {g['per_round'][-1]['drift_angle_deg_mean']:.2f}°; residual {g['per_round'][-1]['procrustes_residual_mean']:.3f}",
         f"- Stage B vs Stage A frame: {g['final']['federated_vs_centralized']['drift_angle_deg']:.1f}°, residual {g['final']['federated_vs_centralized']['procrustes_residual']:.3f}",
         f"- effective dim (RankMe) federated {g['final']['effective_dim']['federated']['rankme']:.1f} of {g['final']['latent_dim']}, "
-        f"lowest over the run {g['effective_dim_fraction_min']:.0%} of the latent dimension; "
+        f"lowest over the run {g['effective_dim_fraction_min']:.1%} of the latent dimension; "
         f"federated ÷ pooled at the same point of training, lowest round: {g['effective_dim_vs_pooled_min']:.2f}; "
         f"collapse tripwire (against the pooled model) {'TRIPPED' if g['collapse_tripwire'] else 'quiet'}", "",
         "| round | federated RankMe | pooled RankMe | ratio | drift ° |", "|---|---|---|---|---|",

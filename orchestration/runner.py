@@ -282,6 +282,18 @@ def stage_summary(ctx: StageContext) -> dict:
     return summary
 
 
+def verdict(report_md: Path) -> str | None:
+    """The report's verdict section (markdown), which the parent run shows as its description."""
+    if not report_md.is_file():
+        return None
+    text = report_md.read_text()
+    start = text.find("## Verdict")
+    if start < 0:
+        return None
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else None].strip() + "\n\nThe whole report, plots and budgets: this run's artifacts, `reports/`."
+
+
 def log_artifacts(run: _OpenRun, out: Outputs, manifest_path: Path, to_parent: bool) -> None:
     """The manifest and the stage's report files (not models or data) as artifacts, under their folder in the project."""
     files = [manifest_path] + [out.staging / rel for rel in dict.fromkeys(out.written)
@@ -351,6 +363,7 @@ def stage_run(stage: str, root: Path | str = ".", params_path: str = "params.yam
         run.tracker.log(run.parent, {}, summary_metrics, {})  # the parent's row in the runs table compares configurations
         log_artifacts(run, ctx.out, manifest_path, to_parent=stage == "report")
         log_site_datasets(run.tracker.client, run.run_id, ctx.data_manifests, layout.root)
+        run.tracker.touch_parent(run.parent, verdict(ctx.out.staging / "reports" / "report.md"))
         # what budgets + MLflow added to this stage's wall time, itself recorded (target: ≤ 2% of the pipeline)
         run.tracker.client.log_metric(run.run_id, "perf/tracking_seconds", time.perf_counter() - t_tracking)
         ctx.sink.flush()

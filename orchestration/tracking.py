@@ -107,6 +107,14 @@ class Tracker:
 
         self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
+    def touch_parent(self, parent: str, description: str | None = None) -> None:
+        """The parent's end time moves to now (its Duration spans its stages); `description` becomes its note."""
+        from mlflow.entities import RunStatus
+
+        if description is not None:
+            self.client.set_tag(parent, "mlflow.note.content", description)
+        self.client.set_terminated(parent, RunStatus.to_string(RunStatus.FINISHED))
+
     def finish(self, run_id: str, ok: bool, reason: str = "") -> None:
         """End the stage run: FINISHED, or FAILED with the reason as a tag."""
         from mlflow.entities import RunStatus

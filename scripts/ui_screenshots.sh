@@ -20,24 +20,25 @@ ui_pid=$!
 trap 'kill $ui_pid 2>/dev/null || true' EXIT
 for _ in $(seq 1 120); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.5; done
 
-read -r exp_id run_id < <(python - "$PWD/mlflow.db" <<'EOF'
+read -r exp_id run_id flow_run_id < <(python - "$PWD/mlflow.db" <<'EOF'
 import sys
 from mlflow.tracking import MlflowClient
 c = MlflowClient(f"sqlite:///{sys.argv[1]}")
 e = c.get_experiment_by_name("lensemble")
-run = c.search_runs([e.experiment_id], "tags.`lensemble.stage` = 'evaluate'", order_by=["attributes.start_time DESC"], max_results=1)[0]
-print(e.experiment_id, run.info.run_id)
+latest = lambda stage: c.search_runs([e.experiment_id], f"tags.`lensemble.stage` = '{stage}'", order_by=["attributes.start_time DESC"], max_results=1)[0]
+print(e.experiment_id, latest("evaluate").info.run_id, latest("federate").data.tags.get("prefect.flow_run_id", "none"))
 EOF
 )
 
-shot() {  # URL FILE
+shot() {  # URL FILE [WIDTH,HEIGHT]
   "$browser" --headless --no-sandbox --disable-gpu --disable-quic --no-first-run --disable-background-networking \
-    --disable-component-update --disable-sync --user-data-dir="$(mktemp -d)" --window-size=1600,1000 \
+    --disable-component-update --disable-sync --user-data-dir="$(mktemp -d)" --window-size="${3:-1600,1000}" \
     --virtual-time-budget=20000 --screenshot="$2" "$1" >/dev/null 2>&1
   echo "$2 <- $1"
 }
 shot "http://127.0.0.1:$port/#/experiments/$exp_id" "$out/mlflow-experiment.png"
 shot "http://127.0.0.1:$port/#/experiments/$exp_id/runs?workflowType=machine_learning" "$out/mlflow-runs.png"
-shot "http://127.0.0.1:$port/#/experiments/$exp_id/runs/$run_id?workflowType=machine_learning" "$out/mlflow-run.png"
+shot "http://127.0.0.1:$port/#/experiments/$exp_id/runs/$run_id?workflowType=machine_learning" "$out/mlflow-run.png" 1600,3200
 prefect_ui=$(lensemble server url)
 shot "$prefect_ui/runs" "$out/prefect-runs.png"
+shot "$prefect_ui/runs/flow-run/$flow_run_id" "$out/prefect-federate-logs.png" 1600,1400

@@ -125,6 +125,9 @@ def _check_tracking_for_users(project, client, parent, children, records):
     # a budget's value as its table read it (the lowest round), not the raw metric's last round
     gauge = json.loads((project / "reports" / "gauge.json").read_text())
     assert by_stage["gauge"].data.metrics["budget/effective_dim_vs_pooled"] == pytest.approx(gauge["effective_dim_vs_pooled_min"])
+    parent = client.get_run(parent.info.run_id)  # as it stands after the last stage
+    assert parent.data.tags["mlflow.note.content"].startswith("## Verdict")  # the description the run page opens with
+    assert parent.info.end_time >= max(r.info.end_time for r in children) - 5000  # its duration spans its stages
     parent_files = {a.path for a in client.list_artifacts(parent.info.run_id, "reports")}
     assert "reports/report.md" in parent_files  # the report opens from the parent run
     plots = {a.path for a in client.list_artifacts(by_stage["report"].info.run_id, "reports/plots")}

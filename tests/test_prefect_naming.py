@@ -100,20 +100,14 @@ print(json.dumps({{
                    "do_not_track": "1"}
 
 
-def test_a_pipelines_stage_tags_replace_the_pipelines(tmp_path):
-    from prefect.context import TagsContext, tags
-
-    from flows.runs import stage_tags
+def test_the_pipeline_flow_run_is_tagged_as_the_pipeline(tmp_path):
+    from flows.runs import run_tags, stage_of
     from lensemble.observability.hardware import hardware_class
     from tests.conftest import make_project
 
-    root = make_project(tmp_path / "proj", micro_params())
-    p = load_params(root / "params.yaml")
-    common = {f"params:{p.hash()[:12]}", f"hw:{hardware_class(p.run.hardware_class)}"}
-    with tags("mine"), stage_tags("pipeline", root):
-        assert TagsContext.get().current_tags == {"mine", "stage:pipeline"} | common
-        with stage_tags("federate", root):
-            assert TagsContext.get().current_tags == {"mine", "stage:federate"} | common
+    p = load_params(make_project(tmp_path / "proj", micro_params()) / "params.yaml")
+    assert run_tags(stage_of("lensemble-pipeline"), p) == {"stage:pipeline", f"params:{p.hash()[:12]}",
+                                                           f"hw:{hardware_class(p.run.hardware_class)}"}
 
 
 # ------------------------------------------------------------ a stage's runs on a Prefect server
@@ -137,12 +131,10 @@ def test_a_stage_run_is_named_tagged_and_logs_at_info(prefect_server, project, a
     from prefect.client.schemas.filters import FlowRunFilter, LogFilter
 
     from flows.cli import stage_flow
-    from flows.runs import stage_tags
     from lensemble.observability.hardware import hardware_class
 
     p = load_params(project / "params.yaml")
-    with stage_tags("prepare", project):
-        state = stage_flow("prepare", project)(root=str(project), return_state=True)
+    state = stage_flow("prepare", project)(root=str(project), return_state=True)
     assert state.is_completed(), state.message
     api_logs.flush()  # the API log worker sends in batches
     run_id = state.state_details.flow_run_id
@@ -165,19 +157,19 @@ def test_federation_task_runs_are_named_by_site_and_round_and_each_round_logs_a_
     from prefect.client.schemas.filters import FlowRunFilter, LogFilter
 
     from flows.cli import stage_flow
-    from flows.runs import stage_tags
 
     for stage in ("prepare", "federate"):
-        with stage_tags(stage, project):
-            state = stage_flow(stage, project)(root=str(project), return_state=True)
+        state = stage_flow(stage, project)(root=str(project), return_state=True)
         assert state.is_completed(), state.message
     api_logs.flush()
     run_id = state.state_details.flow_run_id
     with get_client(sync_client=True) as client:
         run = client.read_flow_run(run_id)
-        names = {t.name for t in client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [run_id]}))}
+        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [run_id]}))
+        names = {t.name for t in task_runs}
         logs = [log.message for log in client.read_logs(log_filter=LogFilter(flow_run_id={"any_": [run_id]}))]
     assert "stage:federate" in run.tags and run.name.startswith("federate-")
+    assert not [t.name for t in task_runs if t.tags]  # untagged: no tag concurrency slot to take before each task
     for r in ("00", "01"):
         assert {f"site_a-round-{r}-train", f"site_b-round-{r}-train", f"site_a-round-{r}-announce", f"site_b-round-{r}-encode",
                 f"round-{r}-aggregate", f"round-{r}-gauge", f"round-{r}-record"} <= names, names

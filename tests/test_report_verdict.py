@@ -95,12 +95,17 @@ def test_federated_at_chance_is_not_above_random():
 def test_pooled_no_better_than_random_is_inconclusive():
     v = judge("pusht", {m: Count(0, 16) for m in ("centralized", "federated", "local_only", "random")})
     assert v.outcome == "inconclusive" and v.readings[-1].startswith("pooled itself not above random")
+    assert v.readings[0].startswith("federated and pooled both never succeeded")
 
 
 def test_slightly_below_pooled_is_neither_within_nor_significant():
     v = judge("reacher", {"centralized": Count(9, 16), "federated": Count(7, 16), "local_only": Count(8, 16),
                           "random": Count(0, 16)})
-    assert v.outcome == "did not work"  # 0.44 < 0.9 × 0.56, though no test separates them at 16 episodes
+    assert v.outcome == "not shown"  # 0.44 < 0.9 × 0.56, though no test separates them at 16 episodes
+    assert "federation not shown to work" in "\n".join(verdict_lines([v]))
+    # the same rates over 160 episodes separate: then it did not work
+    assert judge("reacher", {"centralized": Count(90, 160), "federated": Count(60, 160), "random": Count(0, 160)}).outcome \
+        == "did not work"
     assert v.readings[0].startswith("federated below pooled, not significantly")
     assert v.readings[1].startswith("not distinguishable from local-only")
 
