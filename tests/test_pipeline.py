@@ -11,6 +11,7 @@ from mlflow.tracking import MlflowClient
 
 from lensemble.errors import ConfigError, DataError
 from tests.conftest import make_project, micro_params
+from tests.test_report_verdict import check_report_outputs
 
 pytestmark = pytest.mark.e2e
 STAGES = ("prepare", "residency", "centralized", "federate", "gauge", "evaluate", "report")
@@ -84,6 +85,7 @@ def test_pipeline_end_to_end(prefect_server, project):
     assert gauge["effective_dim_vs_pooled_min"] == pytest.approx(min(ratios))
     assert gauge["collapse_tripwire"] == any(x < 0.5 for x in ratios)
     _check_tracking_for_users(project, client, parents[0], children, records)
+    check_report_outputs(project)
 
 
 def _numbers_only(tree) -> bool:

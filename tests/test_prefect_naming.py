@@ -114,16 +114,21 @@ def test_the_pipeline_flow_run_is_tagged_as_the_pipeline(tmp_path):
 
 
 @pytest.fixture
-def api_logs(monkeypatch):
-    """What `PREFECT_LOGGING_EXTRA_LOGGERS=lensemble` does in a CLI process: lensemble's INFO lines go to the API."""
+def api_logs():
+    """What `PREFECT_LOGGING_EXTRA_LOGGERS=lensemble` does in a CLI process: lensemble's INFO lines go to the API.
+
+    `setLevel`, not an assignment to `level`: it clears the loggers' cached `isEnabledFor` answers, which an
+    earlier test's progress lines (at the default WARNING) would otherwise keep for `lensemble.progress`."""
     from prefect.logging.handlers import APILogHandler
 
     handler = APILogHandler()
     logger = logging.getLogger("lensemble")
+    level = logger.level
     logger.addHandler(handler)
-    monkeypatch.setattr(logger, "level", logging.INFO)
+    logger.setLevel(logging.INFO)
     yield handler
     logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
 def test_a_stage_run_is_named_tagged_and_logs_at_info(prefect_server, project, api_logs):
