@@ -147,19 +147,18 @@ def verdicts(evaluation: dict) -> list[Verdict]:
 
 def verdict_lines(rows: list[Verdict]) -> list[str]:
     """The verdict table (success rate [95% Wilson] per model) and one plain-words line per embodiment."""
-    lines = [VERDICT_RULE, "",
-             "| embodiment | episodes | pooled | federated | local-only | oracle | random | federation |",
-             "|---|---|---|---|---|---|---|---|"]
-    for v in rows:
-        cells = " | ".join(v.counts[m].cell() if m in v.counts else "—" for m in MODELS)
-        lines.append(f"| {v.embodiment} | {v.counts['federated'].episodes} | {cells} | **{v.outcome}** |")
-    lines.append("")
-    for v in rows:
+    lines = []
+    for v in rows:  # the answers first: what a reader (or the MLflow run's description) sees without scrolling
         answer = {"worked": "federation worked", "did not work": "federation did not work",
                   "not shown": "federation not shown to work (below the margin, not significantly: more episodes would tell)",
                   "inconclusive": "inconclusive, federation cannot be judged"}[v.outcome]
         lines.append(f"- **{v.embodiment}: {answer}** — {'; '.join(v.readings)}.")
-    return lines
+    lines += ["", "| embodiment | episodes | pooled | federated | local-only | oracle | random | federation |",
+              "|---|---|---|---|---|---|---|---|"]
+    for v in rows:
+        cells = " | ".join(v.counts[m].cell() if m in v.counts else "—" for m in MODELS)
+        lines.append(f"| {v.embodiment} | {v.counts['federated'].episodes} | {cells} | **{v.outcome}** |")
+    return [*lines, "", VERDICT_RULE]
 
 
 def out_of_band_lines(budgets: list[dict]) -> list[str]:
