@@ -56,6 +56,12 @@ def random_directions(dim: int, num: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def sigreg(z_ND: torch.Tensor, directions_DM: torch.Tensor, num_knots: int = 17, t_max: float = 3.0) -> torch.Tensor:
-    """Mean Epps–Pulley statistic of z projected on the given directions; fp32 accumulation."""
-    proj = z_ND.to(torch.float32) @ directions_DM.to(torch.float32)  # [N, M]
-    return epps_pulley(proj, num_knots, t_max).mean()
+    """Mean Epps–Pulley statistic of z projected on the given directions, in fp32 whatever the autocast.
+
+    Under bf16 autocast the projection and the quadrature (`@`) would otherwise run as bf16 matmuls despite
+    the fp32 casts (autocast recasts matmul inputs), and the statistic and its gradient would come back in
+    bf16 (~3e-4 and ~7e-3 relative error); autocast is switched off here, so both are the fp32 reference's.
+    """
+    with torch.autocast(device_type=z_ND.device.type, enabled=False):
+        proj = z_ND.to(torch.float32) @ directions_DM.to(torch.float32)  # [N, M]
+        return epps_pulley(proj, num_knots, t_max).mean()
