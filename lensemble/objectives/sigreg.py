@@ -8,6 +8,7 @@ times e^{−t²/2}. SIGReg is the mean over directions.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -62,6 +63,7 @@ def sigreg(z_ND: torch.Tensor, directions_DM: torch.Tensor, num_knots: int = 17,
     the fp32 casts (autocast recasts matmul inputs), and the statistic and its gradient would come back in
     bf16 (~3e-4 and ~7e-3 relative error); autocast is switched off here, so both are the fp32 reference's.
     """
-    with torch.autocast(device_type=z_ND.device.type, enabled=False):
+    device = z_ND.device.type  # "meta" (the pre-flight's FLOP count) has no autocast to switch off
+    with torch.autocast(device_type=device, enabled=False) if device in ("cpu", "cuda") else contextlib.nullcontext():
         proj = z_ND.to(torch.float32) @ directions_DM.to(torch.float32)  # [N, M]
         return epps_pulley(proj, num_knots, t_max).mean()
