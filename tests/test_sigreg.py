@@ -67,3 +67,10 @@ def test_sigreg_under_bf16_autocast_is_the_fp32_statistic_and_gradient():
     z16 = z.detach().to(torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert sigreg(z16, directions).item() == sigreg(z16.float(), directions).item()
+
+
+
+def test_sigreg_runs_on_the_meta_device_the_preflight_counts_flops_on():
+    with torch.device("meta"):  # as lensemble.compute.count_step_flops runs it: tensors made inside follow
+        out = sigreg(torch.empty(8, 4), torch.empty(4, 2))
+    assert out.device.type == "meta" and out.shape == () and out.dtype == torch.float32
