@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.suite import LARGE, StepSetting, bench_params  # noqa: E402
 from lensemble import compute  # noqa: E402
 from lensemble.observability.hardware import hardware_class, hardware_string  # noqa: E402
+from lensemble.perf import matmul_peak_gflops, peak_tensor_bytes  # noqa: E402
 from lensemble.training import autocast_context, make_optimizer  # noqa: E402
 from lensemble.workflow import build_model  # noqa: E402
 
@@ -50,6 +51,60 @@ def bf16_matmul_peak_tflops(n: int = 8192, repeats: int = 10) -> float:
     return 2 * n**3 / best / 1e12
 
 
+def vitl_step(setting: StepSetting, device: torch.device, warmup: int = 3, steps: int = 10) -> dict:
+    """Time the library's training step of `setting` on `device` (bf16 autocast, fp32 master weights, AdamW) beside
+    the device's measured matmul peak, and its peak memory beside `compute.memory_estimate`."""
+    params = bench_params(setting)
+    flops = compute.step_flops(params)["total"]  # meta device, before anything is on the device
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 stays fp32; the bf16 is autocast's
+    with torch.random.fork_rng(devices=[]):
+        model = build_model(params, "gpu_vitl").to(device)
+    optimizer = make_optimizer(model, params.train)
+    embodiment = next(iter(model.action_heads))
+    shape = compute.step_shape(params)
+    inputs = compute.step_inputs(model, shape, embodiment, torch.Generator().manual_seed(0))
+
+    def step() -> None:
+        with torch.device(device), autocast_context(setting.precision, device.type):  # tensors made in the loss land on `device`
+            loss = compute.step_loss(model, params, inputs, embodiment)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    for _ in range(warmup):
+        step()
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - start)
+    peak_bytes = torch.cuda.max_memory_allocated() if cuda else peak_tensor_bytes(step)
+    counts = compute.param_counts(model)
+    estimate = compute.memory_estimate(params, counts["total"], action_dim=compute.action_dim(model, embodiment))
+    peak_tflops = bf16_matmul_peak_tflops() if cuda else matmul_peak_gflops() / 1e3
+    best = min(times)
+    return {
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu", "hardware": hardware_string(), "hardware_class": hardware_class(),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "setting": vars(setting) | {"steps": steps, "warmup": warmup},
+        "params": counts, "step_s_best": best, "step_s_median": statistics.median(times),
+        "clip_samples_per_s": setting.batch_size / best, "flops_per_step": flops, "achieved_tflops": flops / best / 1e12,
+        "matmul_peak_tflops": peak_tflops, "matmul_peak_kind": "bf16 torch.mm" if cuda else "fp32 torch.mm (CPU)",
+        "mfu": flops / best / 1e12 / peak_tflops,
+        "peak_memory_bytes": peak_bytes, "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None,
+        "memory_estimate_bytes": estimate, "peak_memory_ratio": peak_bytes / estimate["total"],
+    }
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=LARGE.batch_size)
@@ -64,58 +119,15 @@ def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         print("gpu_vitl: no CUDA GPU on this machine; nothing measured")
         return 0
-
     setting = StepSetting("large", ns.image, ns.patch, ns.frames, ns.batch, ns.probe, "bf16")
-    params = bench_params(setting)
-    flops = compute.step_flops(params)["total"]  # meta device, before anything is on the GPU
-    device = torch.device("cuda")
-    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 stays fp32; the bf16 is autocast's
-    with torch.random.fork_rng(devices=[]):
-        model = build_model(params, "gpu_vitl").to(device)
-    optimizer = make_optimizer(model, params.train)
-    embodiment = next(iter(model.action_heads))
-    shape = compute.step_shape(params)
-    inputs = compute.step_inputs(model, shape, embodiment, torch.Generator().manual_seed(0))
-
-    def step() -> None:
-        with torch.device(device), autocast_context("bf16"):  # tensors made inside the loss land on the GPU
-            loss = compute.step_loss(model, params, inputs, embodiment)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-
-    for _ in range(ns.warmup):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(ns.steps):
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    peak_bytes = torch.cuda.max_memory_allocated()
-    reserved = torch.cuda.max_memory_reserved()
-    counts = compute.param_counts(model)
-    estimate = compute.memory_estimate(params, counts["total"], action_dim=compute.action_dim(model, embodiment))
-    peak_tflops = bf16_matmul_peak_tflops()
-    best = min(times)
-    result = {
-        "device": torch.cuda.get_device_name(0), "hardware": hardware_string(), "hardware_class": hardware_class(),
-        "torch": torch.__version__, "cuda": torch.version.cuda, "setting": vars(setting) | {"steps": ns.steps, "warmup": ns.warmup},
-        "params": counts, "step_s_best": best, "step_s_median": statistics.median(times),
-        "clip_samples_per_s": ns.batch / best, "flops_per_step": flops, "achieved_tflops": flops / best / 1e12,
-        "bf16_matmul_peak_tflops": peak_tflops, "mfu": flops / best / 1e12 / peak_tflops,
-        "peak_memory_bytes": peak_bytes, "peak_reserved_bytes": reserved, "memory_estimate_bytes": estimate,
-        "peak_memory_ratio": peak_bytes / estimate["total"],
-    }
+    result = vitl_step(setting, torch.device("cuda"), ns.warmup, ns.steps)
     out = Path(ns.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(
-        f"{result['device']}: ViT-L step {best * 1e3:.1f} ms ({result['clip_samples_per_s']:.1f} clips/s), "
-        f"MFU {result['mfu']:.3f} of {peak_tflops:.0f} TFLOP/s bf16, peak {peak_bytes / 2**30:.2f} GiB "
-        f"vs estimate {estimate['total'] / 2**30:.2f} GiB -> {out}"
+        f"{result['device']}: ViT-L step {result['step_s_best'] * 1e3:.1f} ms ({result['clip_samples_per_s']:.1f} clips/s), "
+        f"MFU {result['mfu']:.3f} of {result['matmul_peak_tflops']:.0f} TFLOP/s bf16, peak {result['peak_memory_bytes'] / 2**30:.2f} GiB "
+        f"vs estimate {result['memory_estimate_bytes']['total'] / 2**30:.2f} GiB -> {out}"
     )
     return 0
 

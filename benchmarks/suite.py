@@ -13,7 +13,8 @@ Benchmarks (a name selects itself or, as a prefix, a group: "small", "wire"):
   <cfg>.sigreg_fraction    (SIGReg forward+backward timed alone + the anchor's marginal step time) / best step time
   <cfg>.peak_memory_ratio  measured peak tensor bytes of a step / `compute.memory_estimate`
   large.params, large.memory_estimate_gib   ViT-L, counted on the meta device (no step on CPU)
-  wire.keystream, wire.quant_mask, wire.aggregate   `benchmarks.wire`
+  wire.keystream, wire.quant_mask, wire.client, wire.aggregate   `benchmarks.wire` (client and aggregate: the whole
+                           path of a site and of the aggregator, native and eager, beside their copy floors)
 with <cfg> in tiny, small. A step is one `training.train_steps` step (data sampling, forward,
 backward, AdamW) of a federated inner step: fp32, the default objective (64 directions, 17 knots,
 512 SIGReg tokens, anchor on 16 probe frames), 64x64 frames in 16x16 patches (16 tokens, ViT-L/16's
@@ -82,7 +83,7 @@ STEP_NAMES = ("mfu", "sigreg_fraction", "peak_memory_ratio")
 BENCHMARKS = (
     *(f"{cfg}.{b}" for cfg in STEP_SETTINGS for b in STEP_NAMES),
     "large.params", "large.memory_estimate_gib",
-    "wire.keystream", "wire.quant_mask", "wire.aggregate",
+    "wire.keystream", "wire.quant_mask", "wire.client", "wire.aggregate",
 )
 
 
@@ -248,6 +249,9 @@ def wire_benchmarks(wanted: set[str], smoke: bool) -> dict[str, float]:
     if "wire.quant_mask" in wanted:
         r = wire.bench_quant_mask(numel=100_000, num_sites=3, repeats=1) if smoke else wire.bench_quant_mask()
         out |= {f"wire.quant_mask_{k}": v for k, v in r.items()}
+    if "wire.client" in wanted:
+        r = wire.bench_client(numel=100_000, num_sites=3, copy_bytes=8 << 20, repeats=1) if smoke else wire.bench_client()
+        out |= {f"wire.client_{k}": v for k, v in r.items()}
     if "wire.aggregate" in wanted:
         r = wire.bench_aggregate(num_sites=3, numel=100_000, copy_bytes=8 << 20) if smoke else wire.bench_aggregate()
         out |= {f"wire.aggregate_{k}": v for k, v in r.items()}
@@ -282,7 +286,14 @@ def report_lines(r: dict[str, float]) -> list[str]:
         lines.append(f"wire.keystream_gbps {r['wire.keystream_gbps']:.2f}  {r['wire.keystream_gbps'] / copy:.3f} of copy bandwidth")
     if "wire.quant_mask_total_s" in r:
         lines.append(f"wire.quant_mask_total_s {r['wire.quant_mask_total_s']:.3f}  {r['wire.quant_mask_numel']:,.0f} params, "
-                     f"{r['wire.quant_mask_num_sites']:.0f} sites")
+                     f"{r['wire.quant_mask_num_sites']:.0f} sites (quantize + mask alone; a site's cost is wire.client)")
+    if "wire.client_ratio" in r:
+        lines.append(f"wire.client_ratio {r['wire.client_ratio']:.2f}  {r['wire.client_total_s']:.3f} s vs memory floor "
+                     f"{r['wire.client_floor_s']:.3f} s (one site's announce {r['wire.client_announce_s']:.3f} + encode "
+                     f"{r['wire.client_encode_s']:.3f} s, {r['wire.client_numel']:,.0f} params, "
+                     f"{r['wire.client_num_sites'] - 1:.0f} neighbours, {'native' if r['wire.client_native'] else 'eager'}; "
+                     f"eager {r['wire.client_eager_s']:.3f} s, {r['wire.client_ratio_eager']:.2f}; of it ChaCha20 + SHA-256 "
+                     f"{r['wire.client_crypto_s']:.3f} s, the rest {r['wire.client_ratio_beyond_crypto']:.2f} x the floor)")
     if "wire.aggregate_ratio" in r:
         lines.append(f"wire.aggregate_ratio {r['wire.aggregate_ratio']:.2f}  {r['wire.aggregate_total_s']:.3f} s vs memory floor "
                      f"{r['wire.aggregate_floor_s']:.3f} s (sum + outer step + self-check, {'native' if r['wire.aggregate_native'] else 'eager'}; "
@@ -290,6 +301,9 @@ def report_lines(r: dict[str, float]) -> list[str]:
                      f"{r['wire.aggregate_ratio_one_evaluation']:.2f}; fresh buffers "
                      f"{r['wire.aggregate_ratio_fresh_alloc']:.2f}; signature checks {r['wire.aggregate_signature_verify_s']:.3f} s "
                      f"at arrival, {r['wire.aggregate_verify_gbps']:.2f} GB/s)")
+        lines.append(f"wire.aggregate_path_ratio {r['wire.aggregate_path_ratio']:.2f}  {r['wire.aggregate_path_s']:.3f} s vs "
+                     f"the same floor (agree + verify + sum + outer step; eager {r['wire.aggregate_path_eager_s']:.3f} s, "
+                     f"{r['wire.aggregate_path_ratio_eager']:.2f})")
     return lines
 
 

@@ -184,20 +184,25 @@ def prefect_home() -> Path:
 
 
 def check_params_command(root: Path, args: argparse.Namespace) -> None:
-    """`lensemble check-params`: validate params.yaml and print its hash."""
+    """`lensemble check-params`: validate params.yaml (and that its run.device is here) and print its hash."""
     from lensemble.config import load_params
+    from lensemble.device import resolve_device
 
     path = root / "params.yaml"
-    print(f"{path} is valid (params hash {load_params(path).hash()})")
+    params = load_params(path)
+    resolve_device(params.run.device)
+    print(f"{path} is valid (params hash {params.hash()})")
 
 
 def run_command(root: Path, args: argparse.Namespace) -> None:
     """`lensemble run STAGE`: one stage's flow, after its inputs and the warm start are checked."""
     from flows.inputs import check_inputs
     from lensemble.config import load_params
+    from lensemble.device import resolve_device
 
     # fail fast, before any server or run starts (and before torch is imported: a missing input takes < 2 s)
     params = load_params(root / "params.yaml")
+    resolve_device(params.run.device)  # run.device: cuda on a machine without one is a one-line error here
     check_inputs(args.stage, params, root)
     from lensemble.model.warm_start import validate_warm_start
 

@@ -48,7 +48,19 @@ class Section(BaseModel):
 class RunParams(Section):
     seed: int = Field(0, ge=0, description="Root seed; every other seed is derived from it.")
     hardware_class: str = Field("auto", description="Hardware class name, or 'auto' to detect it.")
-    torch_threads: int = Field(2, ge=1, le=256, description="torch intra-op threads per process.")
+    torch_threads: int = Field(2, ge=1, le=256, description="torch intra-op threads this job may use in all (its thread budget).")
+    workers: int | Literal["auto"] = Field(
+        "auto", description="Processes the sites' CPU-bound work (training, baselines, evaluation) is split over, each with "
+                            "torch_threads // workers threads; auto: one single-threaded process per thread of the budget; 1: in-process.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where models train and plan: auto takes a CUDA GPU when there is one.")
+    deterministic: bool = Field(True, description="Deterministic kernels on CUDA (torch.use_deterministic_algorithms, cuBLAS workspace); CPU kernels are deterministic already.")
+
+    @field_validator("workers")
+    @classmethod
+    def _positive_workers(cls, v):
+        if v != "auto" and v < 1:
+            raise ValueError("run.workers must be auto or a positive number of processes")
+        return v
 
 
 class SiteParams(Section):

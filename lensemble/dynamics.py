@@ -20,6 +20,7 @@ import torch
 from lensemble.config import Params
 from lensemble.data.episodes import Episodes
 from lensemble.data.windows import frames_to_tensor, proprio_features
+from lensemble.device import model_device, to_device
 from lensemble.model.predictor import rollout
 from lensemble.model.world_model import WorldModel
 from lensemble.sim.registry import embodiment_class
@@ -32,8 +33,9 @@ def encode_episodes(model: WorldModel, frames_ELHWC: np.ndarray, batch: int = 25
     """Embeddings of every frame, [E, L, N, D]."""
     E, L = frames_ELHWC.shape[:2]
     flat = frames_ELHWC.reshape(E * L, *frames_ELHWC.shape[2:])
-    out = [model.encoder(frames_to_tensor(flat[i : i + batch])[:, None])[:, 0] for i in range(0, E * L, batch)]
-    return torch.cat(out).float().reshape(E, L, *out[0].shape[1:])
+    device = model_device(model)
+    out = [model.encoder(to_device(frames_to_tensor(flat[i : i + batch]), device)[:, None])[:, 0].float().cpu() for i in range(0, E * L, batch)]
+    return torch.cat(out).reshape(E, L, *out[0].shape[1:])  # fp32, on the CPU
 
 
 def _windows(E: int, L: int, span: int, stride: int) -> list[tuple[int, int]]:
@@ -61,7 +63,10 @@ def rollout_errors(model: WorldModel, eps: Episodes, context: int, horizon: int,
     a = torch.tensor(eps.actions_ELK)[e[:, None], steps[:, : span - 1]]  # [W, C+H-1, K]; a copy (the store is read-only)
     if shuffle_gen is not None:
         a = a[torch.randperm(a.shape[0], generator=shuffle_gen)]
-    z_hat, q_hat = rollout(model.predictor, z[:, :context], q[:, :context], model.action_heads[eps.embodiment](a))
+    device = model_device(model)
+    z_hat, q_hat = rollout(model.predictor, z[:, :context].to(device), q[:, :context].to(device),
+                           model.action_heads[eps.embodiment](a.to(device)))
+    z_hat, q_hat = z_hat.float().cpu(), q_hat.float().cpu()
     z_true, q_true = z[:, context:], q[:, context:, :p]
     z_copy, q_copy = z[:, context - 1 : context], q[:, context - 1 : context, :p]
     return {

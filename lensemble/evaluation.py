@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from lensemble.data.windows import frames_to_tensor, proprio_features
+from lensemble.device import model_device, to_device
 from lensemble.errors import DataError
 from lensemble.model.predictor import rollout
 from lensemble.model.world_model import WorldModel
@@ -65,12 +66,13 @@ def energy_weights(env: Embodiment, width: int) -> tuple[float, torch.Tensor]:
     w = torch.zeros(width)
     weights = env.goal_proprio_weights or (1.0,) * env.proprio_dim
     w[: len(weights)] = torch.tensor(weights, dtype=torch.float32)
-    return float(env.goal_visual_weight), w
+    return float(env.goal_visual_weight), w  # on the CPU; `goal_energy` puts it beside the goal
 
 
 def goal_energy(goal_z_ND: torch.Tensor, goal_q_Q: torch.Tensor, visual_weight: float, proprio_weights_Q: torch.Tensor):
     """Energy of predicted final observations: visual_weight · mean (ẑ − z_g)² + Σ_j w_j (q̂_j − q_g,j)² / Σ_j w_j."""
     w_sum = float(proprio_weights_Q.sum())
+    proprio_weights_Q = proprio_weights_Q.to(goal_q_Q.device)
 
     def cost(final: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         z_SND, q_SQ = final
@@ -89,7 +91,7 @@ def model_rollout_fn(model: WorldModel, embodiment: str, z_CND: torch.Tensor, q_
 
     def run(actions_SHK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         S = actions_SHK.shape[0]
-        acts = torch.cat([past_CK[None].expand(S, -1, -1), actions_SHK], dim=1)  # [S, C-1+H, K]
+        acts = torch.cat([past_CK[None].expand(S, -1, -1), actions_SHK], dim=1).to(z_CND.device)  # [S, C-1+H, K]
         z, q = rollout(model.predictor, z_CND[None].expand(S, -1, -1, -1), q_CQ[None].expand(S, -1, -1), model.action_heads[embodiment](acts))
         return z[:, -1], q[:, -1]
 
@@ -146,15 +148,16 @@ def run_episode(env: Embodiment, seed: int, max_steps: int, agent: Agent, cfg: C
     if is_model:
         agent.eval()
         goal = goal_observation(env)
-        goal_z = agent.encoder(frames_to_tensor(goal.frame)[None, None])[0, 0]  # [N, D]
-        goal_q = proprio_features(goal.proprio, env.name, proprio_width)
+        device = model_device(agent)
+        goal_z = agent.encoder(to_device(frames_to_tensor(goal.frame), device)[None, None])[0, 0]  # [N, D]
+        goal_q = proprio_features(goal.proprio, env.name, proprio_width).to(device)
         cost = goal_energy(goal_z, goal_q, *energy_weights(env, proprio_width))
     for _ in range(max_steps):
         if env.success():
             return True, plan_seconds
         if is_model:
-            hist.z.append(agent.encoder(frames_to_tensor(env.render())[None, None])[0, 0])
-            hist.q.append(proprio_features(env.proprio(), env.name, proprio_width))
+            hist.z.append(agent.encoder(to_device(frames_to_tensor(env.render()), device)[None, None])[0, 0])
+            hist.q.append(proprio_features(env.proprio(), env.name, proprio_width).to(device))
         if agent is None:
             action = env.random_action(rng)
         else:

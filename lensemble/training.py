@@ -5,7 +5,6 @@ SIGReg directions keyed by (run seed, round, step) so every site and every rerun
 """
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -14,6 +13,7 @@ from torch.profiler import record_function
 
 from lensemble.config import ObjectiveParams, TrainParams
 from lensemble.data.windows import WindowSampler
+from lensemble.device import autocast, model_device, to_device
 from lensemble.model.world_model import WorldModel
 from lensemble.objectives.losses import world_model_loss
 from lensemble.objectives.sigreg import random_directions
@@ -43,12 +43,11 @@ def make_optimizer(model: WorldModel, train: TrainParams) -> torch.optim.AdamW:
     return torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=train.weight_decay, foreach=True)
 
 
-def autocast_context(precision: str):
-    """bf16 autocast when asked (CPU or CUDA); a no-op context for fp32."""
-    if precision == "bf16":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        return torch.autocast(device_type=device, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def autocast_context(precision: str, device_type: str | None = None):
+    """bf16 autocast when asked, on `device_type` (default: CUDA when torch sees a GPU, else CPU); a no-op for fp32."""
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return autocast(precision, device_type)
 
 
 class StepDraws:
@@ -97,10 +96,13 @@ def train_steps(
     model.train()
     log = StepLog()
     draws = StepDraws(run_seed, round_idx, data_key)
+    device = model_device(model)
     for step in range(steps):
         embodiment, sampler, frames, actions, proprio, directions, sig_index, probe, global_probe = draws.draw(
-            step, samplers, model, train, objective, probe_PCHW, global_probe_PND)
-        with autocast_context(train.precision):
+            step, samplers, model, train, objective, probe_PCHW, global_probe_PND)  # drawn on the CPU: same draws on any device
+        frames, actions, proprio, directions, sig_index, probe, global_probe = (
+            None if t is None else to_device(t, device) for t in (frames, actions, proprio, directions, sig_index, probe, global_probe))
+        with autocast_context(train.precision, device.type):
             terms = world_model_loss(
                 model.encoder, model.predictor, model.action_heads[embodiment], frames, actions, proprio, directions, sig_index,
                 proprio_valid=sampler.proprio_valid, proprio_weight=objective.proprio_weight,
@@ -125,7 +127,9 @@ def train_steps(
 
 @torch.no_grad()
 def encode_frames(model: WorldModel, frames_PCHW: torch.Tensor, batch: int = 256) -> torch.Tensor:
-    """Encoder embeddings of single frames, [P, N, D], in eval mode and fp32."""
+    """Encoder embeddings of single frames, [P, N, D], in eval mode, fp32 and on the CPU (gauge statistics read them)."""
     model.eval()
-    out = [model.encoder(frames_PCHW[i : i + batch, None])[:, 0] for i in range(0, frames_PCHW.shape[0], batch)]
-    return torch.cat(out).float()
+    device = model_device(model)
+    out = [model.encoder(to_device(frames_PCHW[i : i + batch], device)[:, None])[:, 0].float().cpu()
+           for i in range(0, frames_PCHW.shape[0], batch)]
+    return torch.cat(out)

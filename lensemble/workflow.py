@@ -14,6 +14,7 @@ import torch
 from lensemble.config import Params
 from lensemble.data.episodes import Episodes, read_episodes
 from lensemble.data.windows import WindowSampler, frames_to_tensor
+from lensemble.device import configure, resolve_device
 from lensemble.errors import ConfigError
 from lensemble.model.world_model import WorldModel
 from lensemble.paths import Layout
@@ -53,6 +54,13 @@ def build_model(params: Params, purpose: str) -> WorldModel:
     with _INIT_LOCK:
         torch.manual_seed(derive_seed(params.run.seed, f"init/{purpose}"))
         return WorldModel(params.model, params.data.image_size, action_dims(params), max_steps=params.data.num_steps)
+
+
+def place(model: WorldModel, params: Params) -> WorldModel:
+    """`model` moved to `run.device`, with that device's determinism mode set (lensemble.device)."""
+    device = resolve_device(params.run.device)
+    configure(device, params.run.deterministic)
+    return model.to(device)
 
 
 def warm_start(model: WorldModel, params: Params, layout: Layout) -> dict | None:

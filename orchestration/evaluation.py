@@ -16,7 +16,14 @@ from lensemble.paths import Layout
 from lensemble.planning.cem import CEMConfig
 from lensemble.seeds import generator
 from lensemble.sim.registry import make_embodiment
-from lensemble.workflow import build_model, eval_seeds, load_probe_episodes, load_site, site_embodiment
+from lensemble.workflow import (
+    build_model,
+    eval_seeds,
+    load_probe_episodes,
+    load_site,
+    place,
+    site_embodiment,
+)
 
 
 def _require(path: Path, what: str) -> Path:
@@ -28,24 +35,24 @@ def _require(path: Path, what: str) -> Path:
 def load_centralized(params: Params, layout: Layout) -> WorldModel:
     """The Stage A model."""
     model = build_model(params, "centralized")
-    model.load_state_dict(torch.load(_require(layout.models / "centralized.pt", "Stage A model"), weights_only=True))
-    return model.eval()
+    model.load_state_dict(torch.load(_require(layout.models / "centralized.pt", "Stage A model"), map_location="cpu", weights_only=True))
+    return place(model, params).eval()
 
 
 def load_federated_for_site(params: Params, layout: Layout, site: str) -> WorldModel:
     """The Stage B global encoder + predictor with `site`'s own local action head."""
     model = build_model(params, f"site/{site}")
-    saved = torch.load(_require(layout.site_state(site), f"site {site!r} state"), weights_only=True)
+    saved = torch.load(_require(layout.site_state(site), f"site {site!r} state"), map_location="cpu", weights_only=True)
     model.load_state_dict(saved["model"])
-    load_federated(model, torch.load(_require(layout.models / "federated.pt", "Stage B model"), weights_only=True))
-    return model.eval()
+    load_federated(model, torch.load(_require(layout.models / "federated.pt", "Stage B model"), map_location="cpu", weights_only=True))
+    return place(model, params).eval()
 
 
 def load_local_only(params: Params, layout: Layout, site: str) -> WorldModel:
     """The site's no-federation baseline."""
     model = build_model(params, f"local/{site}")
-    model.load_state_dict(torch.load(_require(layout.models / "local" / f"{site}.pt", f"site {site!r} local-only model"), weights_only=True))
-    return model.eval()
+    model.load_state_dict(torch.load(_require(layout.models / "local" / f"{site}.pt", f"site {site!r} local-only model"), map_location="cpu", weights_only=True))
+    return place(model, params).eval()
 
 
 MODEL_LOADERS = {
@@ -62,7 +69,6 @@ log = logging.getLogger("lensemble.progress")
 def evaluate_models(params: Params, layout: Layout, site: str, names: tuple[str, ...]) -> dict:
     """Closed-loop success of the named agents (keys of MODEL_LOADERS) on `site`'s embodiment, same seeds, starts
     and goals for all; and the dynamics diagnostics of every world model among them."""
-    torch.set_num_threads(params.run.torch_threads)
     embodiment = site_embodiment(params, site)
     models = {name: MODEL_LOADERS[name](params, layout, site) for name in names}  # DataError before any episode
     train_eps, held_out = load_site(layout, params, site), load_probe_episodes(layout, params, embodiment)

@@ -19,11 +19,18 @@ from prefect import unmapped
 
 from lensemble.budgets import evaluate_budgets, load_budgets
 from lensemble.errors import ParticipantDropped
-from lensemble.federation.dp import round_privacy, run_privacy
 from lensemble.federation.checkpoint import (
-    FederationCheckpoint, capture_rng, commit_site_state, coordinator_key_path, load_checkpoint, prune_site_states, restore_rng,
-    restore_sites, save_checkpoint,
+    FederationCheckpoint,
+    capture_rng,
+    commit_site_state,
+    coordinator_key_path,
+    load_checkpoint,
+    prune_site_states,
+    restore_rng,
+    restore_sites,
+    save_checkpoint,
 )
+from lensemble.federation.dp import round_privacy, run_privacy
 from lensemble.federation.outer import state_hash
 from lensemble.federation.rounds import RoundResult, run_round
 from lensemble.federation.transport import param_spec, spec_numel
@@ -31,8 +38,15 @@ from lensemble.federation.transports import aggregator_codec
 from lensemble.gauge import pool_tokens
 from lensemble.model.world_model import WorldModel, federated_state, load_federated
 from lensemble.training import encode_frames
-from lensemble.workflow import action_dims, build_model, probe_frames, site_names, warm_start
+from lensemble.workflow import (
+    action_dims,
+    build_model,
+    probe_frames,
+    site_names,
+    warm_start,
+)
 from orchestration.sites import check_sovereign, make_sites, site_task_options
+from orchestration.workers import site_pool
 
 
 @dataclass
@@ -103,6 +117,7 @@ def open_federation(ctx) -> Federation:
     state_paths = {s: ctx.out.path(f"models/sites/{s}.pt") for s in sites}
     delta_paths = {s: ctx.out.path(f"models/sites/{s}.delta.pt") for s in sites}
     pool = make_sites(p, ctx.layout, spec, run_id, state_paths, delta_paths, exchange)
+    site_pool(p, warm=("orchestration.site_work",))  # the sites' worker processes start now, not inside round 0's site timeouts
     return Federation(p, ctx.layout, model, sites, spec, spec_numel(spec), probe_frames(ctx.layout, p),
                       aggregator_codec(p.federate.transport, p.federate.quant_block, pool.pins, p.federate.announce_outlier_factor),
                       pool, run_id, state_paths, ctx.layout.root / "checkpoints")

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from lensemble.budgets import evaluate_budgets, load_budgets, violations
 from lensemble.config import Params, load_params
+from lensemble.device import device_info, resolve_device
 from lensemble.errors import BudgetExceeded, ConfigError
 from lensemble.observability.hardware import hardware_class
 from lensemble.observability.manifest import build_manifest, git_state
@@ -37,6 +38,7 @@ from lensemble.observability.metrics import MetricsSink
 from lensemble.observability.summary import REPORTS, flat, summarize
 from lensemble.paths import Layout
 from orchestration.tracking import Tracker, tracking_uri
+from orchestration.workers import close_pools, thread_split
 
 
 @dataclass
@@ -312,6 +314,7 @@ def stage_run(stage: str, root: Path | str = ".", params_path: str = "params.yam
     layout = Layout(Path(root))
     started = time.time()
     params = load_params(layout.root / params_path)  # ConfigError before anything is created
+    device = resolve_device(params.run.device)  # ConfigError (cuda asked for, none here) before anything is created
     tags, pipeline_key = run_tags(stage, params, layout.root)
     hw = tags["lensemble.hardware_class"]
     pool = ThreadPoolExecutor(1, thread_name_prefix="mlflow-open")
@@ -320,6 +323,8 @@ def stage_run(stage: str, root: Path | str = ".", params_path: str = "params.yam
     staging = layout.root / ".staging" / f"{stage}-{uuid.uuid4().hex}"
     ctx = StageContext(stage, params, layout, MetricsSink(layout.metrics(), None, stage), Outputs(layout.root, staging), hw)
     ctx.seeds = {"run": params.run.seed}
+    workers, threads = thread_split(params.run.torch_threads, params.run.workers)
+    ctx.extra_manifest["device"] = {**device_info(device, params.run.deterministic), "workers": workers, "threads_per_worker": threads}
     for s in params.data.sites:
         if layout.site_manifest(s.name).is_file():
             ctx.data_manifests[s.name] = json.loads(layout.site_manifest(s.name).read_text())
@@ -327,6 +332,7 @@ def stage_run(stage: str, root: Path | str = ".", params_path: str = "params.yam
     run: _OpenRun | None = None
     try:
         yield ctx
+        close_pools()  # the stage's worker processes (orchestration.workers), started on first use
         ctx.measured.setdefault("perf/stage_seconds", time.time() - started)
         t_tracking = time.perf_counter()
         summary = stage_summary(ctx)
@@ -346,7 +352,9 @@ def stage_run(stage: str, root: Path | str = ".", params_path: str = "params.yam
         )
         manifest["artifacts"] = {str(Path(k).relative_to(ctx.out.staging)): v for k, v in manifest["artifacts"].items()}
         manifest_path = ctx.out.write_json(manifest_rel, manifest)
-        from orchestration.datasets import log_site_datasets  # imports MLflow, which the opening thread has loaded
+        from orchestration.datasets import (
+            log_site_datasets,  # imports MLflow, which the opening thread has loaded
+        )
 
         mirror.close(run)  # the records not streamed yet
         now = time.time()
@@ -372,6 +380,7 @@ def stage_run(stage: str, root: Path | str = ".", params_path: str = "params.yam
             append_ledger(layout.reports / "ledger.json", ledger_entry(ctx, run.run_id, started))
         run.tracker.finish(run.run_id, ok=True)
     except BaseException as exc:
+        close_pools()
         mirror.stop()
         shutil.rmtree(staging, ignore_errors=True)
         reason = f"{type(exc).__name__}: {exc}" if str(exc) else "".join(traceback.format_exception_only(exc)).strip()

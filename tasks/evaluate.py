@@ -9,7 +9,14 @@ from lensemble.gauge import drift, effective_dim, pool_tokens
 from lensemble.paths import Layout
 from lensemble.training import encode_frames
 from lensemble.workflow import probe_frames, site_names
-from orchestration.evaluation import REFERENCES, evaluate_models, evaluated_models, load_centralized, load_federated_for_site
+from orchestration.evaluation import (
+    REFERENCES,
+    evaluate_models,
+    evaluated_models,
+    load_centralized,
+    load_federated_for_site,
+)
+from orchestration.workers import site_pool
 
 
 @task(name="gauge-final", task_run_name="gauge-final", cache_policy=NONE)
@@ -30,4 +37,4 @@ def gauge_final(params: Params, layout: Layout) -> dict:
 @task(name="evaluate-site", task_run_name="evaluate-{site}", cache_policy=NONE)
 def evaluate_site(params: Params, layout: Layout, site: str) -> dict:
     """Closed-loop success of Stage A, Stage B, the local-only baseline (if trained), the oracle and random actions on one site's embodiment."""
-    return evaluate_models(params, layout, site, evaluated_models(params) + REFERENCES)
+    return site_pool(params, warm=("orchestration.evaluation",)).call(evaluate_models, params, layout, site, evaluated_models(params) + REFERENCES)

@@ -65,3 +65,18 @@ def project(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
     monkeypatch.delenv("LENSEMBLE_PIPELINE_RUN", raising=False)
     return root
+
+
+@pytest.fixture(params=["native", "eager"])
+def kernel_path(request, monkeypatch):
+    """Run a test on the native kernels (where a C compiler exists) and on the eager NumPy/torch path."""
+    from lensemble.federation import native
+
+    if request.param == "native":
+        if native.load() is None:
+            pytest.skip("no C compiler: the native kernel cannot be built here")
+    else:
+        monkeypatch.setenv("LENSEMBLE_NATIVE", "0")
+    native.load.cache_clear()
+    yield request.param
+    native.load.cache_clear()

@@ -124,19 +124,6 @@ def _transports():
     return [PlainFP32(), Int8Transport(block=64), SecureInt8Transport(block=64), SecureInt8Transport(block=64, ring_bits=32)]
 
 
-@pytest.fixture(params=["native", "eager"])
-def kernel_path(request, monkeypatch):
-    """Run a test on the native kernel (where a C compiler exists) and on the eager NumPy/torch path."""
-    if request.param == "native":
-        if native.load() is None:
-            pytest.skip("no C compiler: the native kernel cannot be built here")
-    else:
-        monkeypatch.setenv("LENSEMBLE_NATIVE", "0")
-    native.load.cache_clear()
-    yield request.param
-    native.load.cache_clear()
-
-
 @pytest.mark.parametrize("index", range(4))
 @pytest.mark.parametrize("chunk", [1, 63, 1000, 1 << 18])
 def test_fused_step_equals_aggregate_then_reference_step_bit_for_bit(index, chunk, kernel_path):

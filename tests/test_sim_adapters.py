@@ -343,17 +343,30 @@ def test_pusht_dino_wm_goal_is_the_expert_state_five_steps_ahead(adapters: dict[
 
 
 def test_pusht_physics_step_equals_the_env_step() -> None:
-    a, b = PushT(SIZE), PushT(SIZE)
+    """The fast substeps (floats, Chipmunk called directly, no contact counter) against gym-pusht's own step,
+    bit for bit, through pushes (contacts), a reset (new space and handler) and a snapshot/restore."""
+    a, b, c = PushT(SIZE), PushT(SIZE), PushT(SIZE)
     try:
-        a.reset(3)
-        b.reset(3)
         rng = np.random.default_rng(0)
-        for _ in range(20):
-            target = rng.uniform(0.0, 512.0, 2)
-            a.env.step(target)  # gym-pusht's own step: physics plus observation, reward, coverage
-            b._env_step(target)
-        np.testing.assert_array_equal(a.state(), b.state())
-        np.testing.assert_array_equal(np.array(a.env.agent.velocity), np.array(b.env.agent.velocity))
+        for seed in (3, 11):
+            for env in (a, b, c):
+                env.reset(seed)
+            start_block = b.block_pose()
+            for i in range(60):
+                target = (b.expert_action(rng, 0.2).astype(np.float64) + 1.0) / 2.0 * 512.0 if i % 3 else rng.uniform(0.0, 512.0, 2)
+                a.env.step(target)  # gym-pusht's own step: physics plus observation, reward, coverage
+                b._env_step(target)
+                c._env_step_reference(target)
+                if i == 30:
+                    snap = b.snapshot()
+                    for env in (a, b, c):
+                        env.restore(snap)
+            assert np.abs(b.block_pose() - start_block).max() > 1.0  # the agent pushed the block: contacts were solved
+            for other in (a, c):
+                np.testing.assert_array_equal(other.state(), b.state())
+                for body in ("agent", "block"):
+                    np.testing.assert_array_equal(np.array(getattr(other.env, body).velocity), np.array(getattr(b.env, body).velocity))
+                assert other.env.block.angular_velocity == b.env.block.angular_velocity
     finally:
-        a.close()
-        b.close()
+        for env in (a, b, c):
+            env.close()

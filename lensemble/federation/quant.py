@@ -64,16 +64,18 @@ def _blocks(x_N: torch.Tensor, block: int, dtype: torch.dtype = torch.float32) -
 
 
 def block_absmax(x_N: torch.Tensor, block: int) -> torch.Tensor:
-    """max|x| of every block: [N] fp32 -> [nb] fp32. This is what a site announces for a shared grid."""
+    """max|x| of every block: [N] fp32 -> [nb] fp32 (+0 for a zero block). What a site announces for a shared grid."""
     if x_N.dim() != 1 or x_N.dtype != torch.float32:
         raise ValueError(f"expected a flat fp32 vector, got shape {tuple(x_N.shape)} dtype {x_N.dtype}")
     if x_N.numel() == 0:
         return torch.zeros(0, dtype=torch.float32)
-    # max(max x, -min x) over views of the full blocks and the tail: no copy and no |x| temporary.
+    # max(max x, -min x) over views of the full blocks and the tail: no copy and no |x| temporary. For a
+    # block of zeros that pair is ±0 in either order and torch's vector and scalar `maximum` break the tie
+    # differently, so the result goes through abs: every zero block announces +0 on every machine.
     x_N = x_N.contiguous()
     full = x_N.numel() // block * block
     parts = [x_N[:full].view(-1, block), x_N[full:].view(1, -1)] if full < x_N.numel() else [x_N.view(-1, block)]
-    return torch.cat([torch.maximum(p.amax(dim=1), -p.amin(dim=1)) for p in parts if p.numel()])
+    return torch.cat([torch.maximum(p.amax(dim=1), -p.amin(dim=1)) for p in parts if p.numel()]).abs_()
 
 
 def scales_from_absmax(absmax_B: torch.Tensor) -> torch.Tensor:

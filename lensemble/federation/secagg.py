@@ -35,12 +35,13 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from cryptography.hazmat.primitives.ciphers import Cipher, CipherContext, algorithms
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from lensemble.errors import ConfigError, IntegrityError
@@ -129,6 +130,35 @@ def keystream(key: bytes, num_bytes: int) -> bytes:
     return bytes(out)
 
 
+@dataclass(frozen=True)
+class PairStream:
+    """One pair's mask m_(site,peer) as a ChaCha20 keystream, read chunk by chunk in order with `read_into`."""
+
+    peer: str
+    adds: bool  # site < peer: this site adds the mask; otherwise it subtracts it
+    encryptor: CipherContext
+
+    def read_into(self, zeros: bytes, out: memoryview) -> None:
+        """The next len(out) bytes of the pair's mask into `out` (`zeros` is as long as `out`)."""
+        self.encryptor.update_into(zeros, out)
+
+
+def pair_streams(
+    site: str, private_key: X25519PrivateKey, public_keys: Mapping[str, bytes], run_id: str, round_idx: int, session: str
+) -> list[PairStream]:
+    """The mask stream of every pair `site` is in, peers in sorted order (`site_mask` adds them up)."""
+    streams = []
+    for peer in sorted(public_keys):
+        if peer == site:
+            continue
+        try:
+            key = pair_key(private_key, public_keys[peer], pair_info(run_id, round_idx, site, peer, session))
+        except ValueError:  # a small-order key that reached a site unchecked: name its sender, not a bare ValueError
+            raise IntegrityError(f"key share from {peer!r} has a small-order X25519 public key", site=peer) from None
+        streams.append(PairStream(peer, site < peer, Cipher(algorithms.ChaCha20(key, _NONCE), mode=None).encryptor()))
+    return streams
+
+
 def site_mask(
     site: str,
     private_key: X25519PrivateKey,
@@ -143,20 +173,16 @@ def site_mask(
 
     `public_keys` holds every participating site's ephemeral X25519 public key (including `site`'s
     own, which is skipped). Peers are visited in sorted order; the result does not depend on it.
+    The whole-vector reference; a site's encoder reads the same streams chunk by chunk
+    (`secure_transport`, `pair_streams`).
     """
     dtype = ring_dtype(ring_bits)
     mask_N = np.zeros(numel, dtype=dtype)
     m_N = np.empty(numel, dtype=dtype)  # scratch for one pair's mask, reused
     zeros = bytes(m_N.nbytes)  # calloc'd: reading it touches no memory
-    for peer in sorted(public_keys):
-        if peer == site:
-            continue
-        try:
-            key = pair_key(private_key, public_keys[peer], pair_info(run_id, round_idx, site, peer, session))
-        except ValueError:  # a small-order key that reached a site unchecked: name its sender, not a bare ValueError
-            raise IntegrityError(f"key share from {peer!r} has a small-order X25519 public key", site=peer) from None
-        keystream_into(key, zeros, memoryview(m_N).cast("B"))
-        if site < peer:
+    for stream in pair_streams(site, private_key, public_keys, run_id, round_idx, session):
+        stream.read_into(zeros, memoryview(m_N).cast("B"))
+        if stream.adds:
             np.add(mask_N, m_N, out=mask_N)
         else:
             np.subtract(mask_N, m_N, out=mask_N)

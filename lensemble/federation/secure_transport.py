@@ -30,7 +30,8 @@ federation passes; f · a_(2) is rounded once to fp32; None, the class default f
 simulations, is the uncapped grid max_c a_{c,b} / 127). When every announcement is within f of
 its cap this is max_c a_{c,b}, the plain grid, bit for bit. A site whose absmax exceeds the cap has its values saturated at ±127 codes
 (its own loss; `capped_blocks` records it). With C = 1 there is nothing to compare and the grid is
-the site's own. Each site quantizes w_c Δ_c on the grid, adds its pairwise mask in Z_{2^k} and signs.
+the site's own. Each site quantizes w_c Δ_c on the grid, adds its pairwise mask in Z_{2^k} and signs
+(announce and encode each read Δ_c once and write straight into the message: `site_pass`).
 The aggregator verifies every signature, sums the masked vectors exactly in the ring (the masks
 cancel), checks that every signed sum Σ_c q_c lies in [-127 C, 127 C] (else `AttemptAborted`: nothing
 applied) and returns Δ̄ = (Σ_c q_c) · s_b. Pre-weighting means no integer weights widen the ring;
@@ -56,6 +57,7 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -65,13 +67,14 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from lensemble.errors import ConfigError, IntegrityError
 from lensemble.federation import native, secagg
 from lensemble.federation.quant import (
-    DEFAULT_BLOCK, MAX_ABS, block_absmax, dequantize_range, num_blocks, quantize_int8, quantize_with_scales,
+    DEFAULT_BLOCK, MAX_ABS, block_absmax, dequantize_range, num_blocks, quantize_int8,
     robust_absmax, scales_from_absmax,
 )
 from lensemble.federation.signing import (
     SIGNATURE_BYTES, ReplayGuard, aggregation_context, check_binding, check_roster, key_fingerprint, open_signed,
-    raise_if_missing, sign, verify_updates,
+    raise_if_missing, sign, signature, verify_updates,
 )
+from lensemble.federation.site_pass import check_layout, flat_segments, new_payload, quantize_mask_into, weighted_absmax
 from lensemble.federation.transport import (
     Accepted, AttemptAborted, FusedKernel, ParamSpec, RoundContext, Transport, check_delta, flatten, pack_header,
     spec_hash, spec_numel, unpack_header,
@@ -151,6 +154,16 @@ def _site_vector(ctx: RoundContext, site: str, delta: Mapping[str, torch.Tensor]
     if x_N.numel() and float(x_N.abs().max()) > MAX_ABS:
         raise IntegrityError(f"update from {site!r} has values above {MAX_ABS:.3g}; it diverged", site=site)
     return x_N
+
+
+def _raise_bad_update(
+    ctx: RoundContext, site: str, delta: Mapping[str, torch.Tensor], announced_B: torch.Tensor | None, block: int
+) -> NoReturn:
+    """Name what a one-pass check (`site_pass`) refused, with the reference checks and their errors."""
+    x_N = _site_vector(ctx, site, delta, weighted=True)  # IntegrityError: NaN, Inf or above MAX_ABS
+    if announced_B is not None and bool((block_absmax(x_N, block) > announced_B).any()):
+        raise ValueError(f"secure_int8: the update of {site!r} changed between announce and encode")
+    raise AssertionError(f"the one-pass check refused the update of {site!r} but the reference checks pass it")
 
 
 def _nonce_of(header: Mapping) -> str:
@@ -363,9 +376,13 @@ class SecureInt8Transport(_SignedTransport):
                                  " the other's, which the aggregator cannot tell apart; attempt aborted", suspects=tuple(sites))
 
     def announce(self, ctx: RoundContext, site: str, delta: Mapping[str, torch.Tensor]) -> bytes:
-        """The per-block absmax of w_c Δ_c, signed and bound to this attempt."""
+        """The per-block absmax of w_c Δ_c, signed and bound to this attempt (one pass: `site_pass`)."""
         attempt = self._current(ctx, agreed=False)
-        absmax_B = attempt.announced[site] = block_absmax(_site_vector(ctx, site, delta, weighted=True), self.block)
+        check_layout(ctx, site, delta)
+        absmax_B = weighted_absmax(flat_segments(ctx, delta), ctx.weight(site), self.block)
+        if absmax_B is None:
+            _raise_bad_update(ctx, site, delta, None, self.block)
+        attempt.announced[site] = absmax_B
         header = announce_header(ctx.run_id, ctx.round_idx, site, ctx.spec, attempt.session)
         return sign(self._signing_key(site), pack_header(header) + absmax_B.numpy().astype("<f4").tobytes())
 
@@ -406,25 +423,34 @@ class SecureInt8Transport(_SignedTransport):
         attempt.grid = hashlib.sha256(attempt.scales_B.numpy().astype("<f4").tobytes()).hexdigest()[:_HEX]
 
     def encode(self, ctx: RoundContext, site: str, delta: Mapping[str, torch.Tensor]) -> bytes:
-        """Quantize w_c Δ_c on the shared grid, add the pairwise mask in Z_{2^k}, sign."""
+        """Quantize w_c Δ_c on the shared grid, add the pairwise mask in Z_{2^k}, sign: one pass, one buffer.
+
+        Header, body and signature are written once, into the `bytes` that is returned (`new_payload`),
+        the body hashed for the signature chunk by chunk as it is written: no copy, no second read.
+        Values are checked against what the site announced: a capped block (an outlier) saturates, a
+        value above its announced absmax means the update changed (ValueError).
+        """
         attempt = self._current(ctx, agreed=True)
-        x_N = _site_vector(ctx, site, delta, weighted=True)
-        # against what the site announced: a capped block (an outlier) saturates instead of failing here
-        if (block_absmax(x_N, self.block) > attempt.announced.get(site, attempt.absmax_B)).any():
-            raise ValueError(f"secure_int8: the update of {site!r} changed between announce and encode")
-        q_N = quantize_with_scales(x_N, attempt.scales_B, self.block)
+        check_layout(ctx, site, delta)
         private = self._ephemeral.get((ctx.run_id, ctx.round_idx, ctx.site_ids, site))
         if private is None:
             raise ValueError(f"secure_int8: {site!r} holds no key share for round {ctx.round_idx} of this attempt")
-        mask_N = secagg.site_mask(
-            site, private, attempt.public, ctx.run_id, ctx.round_idx, attempt.session, q_N.numel(),
-            self.ring_bits,
-        )
-        y_N = secagg.mask_codes(q_N, mask_N, self.ring_bits)
-        header = secure_header(
+        key = self._signing_key(site)
+        header = pack_header(secure_header(
             ctx.run_id, ctx.round_idx, site, ctx.spec, self.block, self.ring_bits, attempt.session, attempt.grid
-        )
-        return sign(self._signing_key(site), pack_header(header) + y_N.tobytes())
+        ))
+        n, dtype = spec_numel(ctx.spec), secagg.ring_dtype(self.ring_bits)
+        payload, buffer_u8 = new_payload(len(header) + dtype.itemsize * n + SIGNATURE_BYTES)
+        buffer_u8[: len(header)] = np.frombuffer(header, dtype=np.uint8)
+        streams = secagg.pair_streams(site, private, attempt.public, ctx.run_id, ctx.round_idx, attempt.session)
+        announced_B = attempt.announced.get(site, attempt.absmax_B)
+        body_N = buffer_u8[len(header) : len(header) + dtype.itemsize * n].view(dtype)
+        sha = hashlib.sha256(header)
+        if not quantize_mask_into(flat_segments(ctx, delta), ctx.weight(site), attempt.scales_B, announced_B, streams,
+                                  self.ring_bits, self.block, body_N, sha.update):
+            _raise_bad_update(ctx, site, delta, announced_B, self.block)
+        buffer_u8[-SIGNATURE_BYTES:] = np.frombuffer(signature(key, sha.digest()), dtype=np.uint8)
+        return payload
 
     def verify(self, ctx: RoundContext, payloads: Mapping[str, bytes]) -> Accepted:
         """Signatures, bindings to this attempt's session and grid, lengths and replays of every update."""

@@ -47,7 +47,16 @@ def key_fingerprint(public_key: Ed25519PublicKey) -> str:
 
 def sign(key: Ed25519PrivateKey, message: bytes) -> bytes:
     """message || Ed25519(key, LABEL || SHA-256(message))."""
-    return message + key.sign(_SIGN_LABEL + hashlib.sha256(message).digest())
+    return message + signature(key, hashlib.sha256(message).digest())
+
+
+def signature(key: Ed25519PrivateKey, digest: bytes) -> bytes:
+    """The SIGNATURE_BYTES that `sign` appends, from the message's SHA-256 digest.
+
+    A large update hashes its body chunk by chunk as it writes it (while the chunk is in cache) and
+    writes this in place after it (`secure_transport`): the same bytes as `sign`, with no copy.
+    """
+    return key.sign(_SIGN_LABEL + digest)
 
 
 def open_signed(payload: bytes, site: str, registry: Mapping[str, Ed25519PublicKey]) -> tuple[memoryview, str]:

@@ -36,13 +36,13 @@ class WorldModel(nn.Module):
 
 
 def federated_state(model: WorldModel) -> dict[str, torch.Tensor]:
-    """Detached fp32 copies of the federated parameters, by name."""
-    return {n: p.detach().clone() for n, p in model.named_parameters() if n.startswith(FEDERATED_PREFIXES)}
+    """Detached fp32 copies of the federated parameters, by name, on the CPU (what the aggregator reads)."""
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if n.startswith(FEDERATED_PREFIXES)}
 
 
 def local_state(model: WorldModel) -> dict[str, torch.Tensor]:
     """Detached copies of the parameters that stay at the site (action heads)."""
-    return {n: p.detach().clone() for n, p in model.named_parameters() if not n.startswith(FEDERATED_PREFIXES)}
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if not n.startswith(FEDERATED_PREFIXES)}
 
 
 def load_federated(model: WorldModel, state: Mapping[str, torch.Tensor]) -> None:

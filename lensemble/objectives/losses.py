@@ -31,15 +31,15 @@ def prediction_loss(predictor: Predictor, z_BTND: torch.Tensor, q_BTQ: torch.Ten
     rollout of the window's last k = `rollout_steps` steps from the T - k before them (the context a
     planner gives it). The proprio error reads the embodiment's first `proprio_valid` components only."""
     z_pred, q_pred = predictor(z_BTND[:, :-1], q_BTQ[:, :-1], act_BTA[:, :-1])  # [B, T-1, N, D], [B, T-1, Q]
-    lat = F.mse_loss(z_pred, z_BTND[:, 1:])
-    prop = F.mse_loss(q_pred[..., :proprio_valid], q_BTQ[:, 1:, :proprio_valid])
+    lat = F.mse_loss(z_pred.float(), z_BTND[:, 1:].float())  # fp32 whatever the autocast (DESIGN.md: fp32 statistics)
+    prop = F.mse_loss(q_pred[..., :proprio_valid].float(), q_BTQ[:, 1:, :proprio_valid].float())
     T = z_BTND.shape[1]
     k = min(rollout_steps, T - 1)
     if k > 0:
         C = T - k
         z_roll, q_roll = rollout(predictor, z_BTND[:, :C], q_BTQ[:, :C], act_BTA[:, : T - 1])  # [B, k, N, D], [B, k, Q]
-        lat = lat + F.mse_loss(z_roll, z_BTND[:, C:])
-        prop = prop + F.mse_loss(q_roll[..., :proprio_valid], q_BTQ[:, C:, :proprio_valid])
+        lat = lat + F.mse_loss(z_roll.float(), z_BTND[:, C:].float())
+        prop = prop + F.mse_loss(q_roll[..., :proprio_valid].float(), q_BTQ[:, C:, :proprio_valid].float())
     return lat, prop
 
 
@@ -62,7 +62,7 @@ def sigreg_tokens(z_BTND: torch.Tensor, sigreg_on: str, sigreg_index: torch.Tens
 def anchor_loss(encoder: ViTEncoder, probe_PCHW: torch.Tensor, global_probe_PND: torch.Tensor) -> torch.Tensor:
     """MSE between the local encoder's probe embeddings and the round-start global encoder's."""
     z = encoder(probe_PCHW[:, None])[:, 0]  # [P, N, D]
-    return F.mse_loss(z, global_probe_PND)
+    return F.mse_loss(z.float(), global_probe_PND.float())
 
 
 def world_model_loss(
@@ -109,8 +109,8 @@ def world_model_loss(
     with record_function("sigreg_anchor"):
         reg = sigreg(sigreg_tokens(z, sigreg_on, sigreg_index), directions_DM, num_knots, t_max)
         if use_anchor:
-            anc = F.mse_loss(z_probe, global_probe_PND)  # = anchor_loss(encoder, probe, global), same pass
+            anc = F.mse_loss(z_probe.float(), global_probe_PND.float())  # = anchor_loss(encoder, probe, global), same pass
         else:
-            anc = torch.zeros((), dtype=pred.dtype)
+            anc = torch.zeros((), dtype=torch.float32, device=pred.device)
     total = pred.float() + proprio_weight * prop.float() + sigreg_weight * reg.float() + anchor_weight * anc.float()
     return LossTerms(total, pred.detach(), prop.detach(), reg.detach(), anc.detach())

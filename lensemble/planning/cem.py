@@ -38,7 +38,7 @@ def cem_plan(
         noise = torch.randn(cfg.samples, cfg.horizon, action_dim, generator=gen)
         actions = (mean + std * noise).clamp(-1.0, 1.0)  # [S, H, K]
         actions[0] = mean.clamp(-1.0, 1.0)  # keep the current mean as a candidate
-        costs = cost_fn(rollout_fn(actions))  # [S]
+        costs = cost_fn(rollout_fn(actions)).cpu()  # [S]; the model may plan on a GPU, the search runs here
         order = torch.argsort(costs)
         elites = actions[order[: cfg.elites]]
         if float(costs[order[0]]) < best_cost:

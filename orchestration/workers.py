@@ -1,0 +1,244 @@
+"""Worker processes for a stage's CPU-bound site work: the thread budget split into processes.
+
+The stages' site work (a round's inner steps, the head re-fit, the local-only baselines, each site's
+closed-loop evaluation) runs as Prefect tasks on threads. Threads share one interpreter lock and one
+torch intra-op pool, which this project's small models use badly: on the 2-core reference machine one
+process trains at ~36 steps/s with 2 intra-op threads and ~28 with one, two single-threaded processes
+at ~56 together, and 2 intra-op threads fall to ~10 steps/s as soon as another process holds a core
+(they spin at barriers). So the budget `run.torch_threads` is split into `run.workers` processes of
+`torch_threads // workers` threads each (`thread_split`); the task stays a Prefect task on its
+thread (its run, retries, timeout and logs in the UI) and hands its body to a worker with
+`WorkerPool.call`.
+
+Log records a body emits in a worker come back to the calling thread and are handled there, so they
+reach the console and the Logs tab of the task run that called, as if emitted in-process. A worker
+is a spawned interpreter (no state inherited from the coordinator), started once per stage and
+reused; exceptions come back as the body raised them.
+"""
+from __future__ import annotations
+
+import importlib
+import itertools
+import logging
+import logging.handlers
+import multiprocessing
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, TypeVar
+
+import torch
+
+from lensemble.device import resolve_device
+
+T = TypeVar("T")
+_DONE = "done"  # (_DONE, call id): the last message of every call, after everything it logged
+_worker_call: str | None = None  # in a worker: the id of the call running now
+_records = None  # in a worker: the queue back to the coordinator
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on (its affinity mask, not the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def thread_split(torch_threads: int, workers: int | str) -> tuple[int, int]:
+    """(processes, intra-op threads each) for a budget of `torch_threads` threads; `auto`: one thread a process."""
+    n = torch_threads if workers == "auto" else int(workers)
+    n = max(1, min(n, torch_threads))
+    return n, max(1, torch_threads // n)
+
+
+class _TagCall(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.worker_call = _worker_call
+        return True
+
+
+def _init_worker(threads: int, records) -> None:
+    """Worker start: its torch threads, and the queue its log records go back to the coordinator on."""
+    global _records
+    torch.set_num_threads(threads)
+    _records = records
+    _route_records()
+
+
+def _route_records() -> None:
+    """Every record of the `lensemble` loggers (INFO and up) onto the queue, tagged with the running call; other
+    loggers' warnings too. Redone at each call: an import in a body (Prefect's, say) may reconfigure logging."""
+    handler = logging.handlers.QueueHandler(_records)
+    handler.addFilter(_TagCall())
+    lens = logging.getLogger("lensemble")
+    lens.handlers[:] = [handler]
+    lens.setLevel(logging.INFO)
+    lens.propagate = False
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING)
+
+
+def _warm(modules: tuple[str, ...]) -> None:
+    """Import the modules of the bodies the pool will run, so a worker's first call pays no import."""
+    for name in modules:
+        importlib.import_module(name)
+
+
+def _run_call(call_id: str, fn: Callable[..., T], args: tuple, kwargs: dict) -> T:
+    global _worker_call
+    _worker_call = call_id
+    _route_records()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _worker_call = None
+        _records.put((_DONE, call_id))  # after the body's records (one queue, one feeder thread: in order)
+
+
+class WorkerPool:
+    """`workers` spawned processes, each running torch with `threads` intra-op threads."""
+
+    def __init__(self, workers: int, threads: int, warm: tuple[str, ...] = ()) -> None:
+        self.workers, self.threads, self.warm = workers, threads, warm
+        self._ctx = multiprocessing.get_context("spawn")
+        self._records = self._ctx.Queue()
+        self._lock = threading.Lock()
+        self._executor = self._start()
+        self._generation = 0  # +1 at every restart (`_abandon`)
+        self._inboxes: dict[str, queue.Queue] = {}
+        self._ids = itertools.count()
+        self._relay = threading.Thread(target=self._route, name="lensemble-worker-logs", daemon=True)
+        self._relay.start()
+
+    def _start(self) -> ProcessPoolExecutor:
+        """A fresh executor whose workers start now (spawn and import, ~2-3 s), not inside the first call's timeout."""
+        executor = ProcessPoolExecutor(self.workers, mp_context=self._ctx, initializer=_init_worker, initargs=(self.threads, self._records))
+        for _ in range(self.workers):
+            executor.submit(_warm, self.warm)
+        return executor
+
+    def _route(self) -> None:
+        """Hand each record from the workers to the inbox of the call that emitted it."""
+        while True:
+            record = self._records.get()
+            if record is None:
+                return
+            call = record[1] if isinstance(record, tuple) else getattr(record, "worker_call", None)
+            with self._lock:
+                inbox = self._inboxes.get(call or "")
+            if inbox is not None:
+                inbox.put(record)
+            elif not isinstance(record, tuple):  # emitted outside any call (worker start-up): handle it here
+                logging.getLogger(record.name).handle(record)
+
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """fn(*args, **kwargs) in a worker (fn importable by name, arguments picklable); its log records are
+        handled on this thread as they arrive; its result, or its exception raised here.
+
+        A call abandoned while it runs (a task timeout, an interrupt) may never finish: its workers are
+        stopped and the pool restarted, and the other calls that were running are run again from the start."""
+        call_id = f"{os.getpid()}-{next(self._ids)}"
+        inbox: queue.Queue = queue.Queue()
+        with self._lock:
+            self._inboxes[call_id] = inbox
+        future, generation = None, -1
+        try:
+            while True:
+                with self._lock:
+                    future, generation = self._executor.submit(_run_call, call_id, fn, args, kwargs), self._generation
+                try:
+                    self._relay_until_done(future, inbox)
+                    return future.result()
+                except BrokenProcessPool:
+                    if generation == self._generation:
+                        raise  # a worker died on its own (killed, out of memory)
+        except BaseException:
+            if future is not None and not future.done():
+                self._abandon(generation)
+            raise
+        finally:
+            with self._lock:
+                self._inboxes.pop(call_id, None)
+
+    @staticmethod
+    def _relay_until_done(future, inbox: queue.Queue) -> None:
+        """Handle the call's records here until its last one (or, if its worker died, a while after it ended)."""
+        deadline = None
+        while True:
+            try:
+                record = inbox.get(timeout=0.1)
+            except queue.Empty:
+                if future.done():  # its last records are in flight, or its worker died and none will come
+                    deadline = deadline or time.monotonic() + 5.0
+                    if time.monotonic() > deadline:
+                        return
+                continue
+            if isinstance(record, tuple):  # (_DONE, call id): the call's last record
+                return
+            logging.getLogger(record.name).handle(record)
+
+    def _abandon(self, generation: int) -> None:
+        """Stop the workers (one of them runs a call nobody waits for) and start fresh ones, once per generation."""
+        with self._lock:
+            if generation != self._generation:
+                return
+            old, self._executor = self._executor, self._start()
+            self._generation += 1
+        for process in list(getattr(old, "_processes", {}).values()):
+            process.terminate()
+        old.shutdown(wait=False, cancel_futures=True)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._records.put(None)
+        self._relay.join(timeout=5)
+        self._records.close()
+
+
+class InlinePool:
+    """The same interface, in this process and thread: one worker, the whole thread budget."""
+
+    workers = 1
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        torch.set_num_threads(self.threads)
+        return fn(*args, **kwargs)
+
+    def close(self) -> None:
+        pass
+
+
+_pools: dict[tuple[int, int], WorkerPool] = {}
+_pools_lock = threading.Lock()
+
+
+def site_pool(params, warm: tuple[str, ...] = ()) -> WorkerPool | InlinePool:
+    """Where a stage runs its sites' CPU-bound work under `params`: a shared `WorkerPool` (its workers import the
+    `warm` modules as they start); in-process when the split is one process or the model runs on a GPU; in the
+    task's own process on Dask (its workers are processes already), with the same threads a worker would have,
+    so both runners compute the same bits."""
+    workers, threads = thread_split(params.run.torch_threads, params.run.workers)
+    if params.federate.task_runner == "dask":
+        return InlinePool(threads)
+    if workers == 1 or resolve_device(params.run.device).type == "cuda":
+        return InlinePool(params.run.torch_threads)
+    with _pools_lock:
+        pool = _pools.get((workers, threads))
+        if pool is None:
+            pool = _pools[(workers, threads)] = WorkerPool(workers, threads, warm)
+        return pool
+
+
+def close_pools() -> None:
+    """Stop every worker this process started (the end of a stage)."""
+    with _pools_lock:
+        pools = list(_pools.values())
+        _pools.clear()
+    for pool in pools:
+        pool.close()

@@ -1,0 +1,128 @@
+"""The worker pool that splits the thread budget into processes (orchestration/workers.py)."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from lensemble.errors import DataError
+from orchestration.workers import InlinePool, WorkerPool, thread_split
+
+
+def _worker_facts(n: int) -> tuple[int, int, float]:
+    """(pid, torch threads, a float computed there) — run in a worker."""
+    logging.getLogger("lensemble.progress").info("working on %d", n)
+    logging.getLogger("lensemble.progress").debug("not at INFO: stays in the worker")
+    return os.getpid(), torch.get_num_threads(), float(torch.arange(n, dtype=torch.float32).sum())
+
+
+def _fails(what: str) -> None:
+    logging.getLogger("lensemble.progress").warning("about to fail on %s", what)
+    raise DataError(f"site store {what} is truncated: regenerate it (lensemble run prepare)")
+
+
+@pytest.mark.parametrize("threads, workers, expected", [
+    (2, "auto", (2, 1)), (8, "auto", (8, 1)), (8, 2, (2, 4)), (8, 3, (3, 2)), (2, 4, (2, 1)), (1, "auto", (1, 1)), (4, 1, (1, 4)),
+])
+def test_thread_split_never_exceeds_the_budget(threads, workers, expected):
+    n, each = thread_split(threads, workers)
+    assert (n, each) == expected
+    assert n * each <= threads
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = WorkerPool(2, 1)
+    yield p
+    p.close()
+
+
+def test_calls_run_in_other_processes_with_their_thread_share(pool, caplog):
+    caplog.set_level(logging.INFO, logger="lensemble.progress")
+    results = [pool.call(_worker_facts, n) for n in (10, 100, 1000)]
+    assert all(pid != os.getpid() for pid, _, _ in results)
+    assert {threads for _, threads, _ in results} == {1}
+    assert [total for _, _, total in results] == [45.0, 4950.0, 499500.0]
+    messages = [r.getMessage() for r in caplog.records if r.name == "lensemble.progress"]
+    assert messages == ["working on 10", "working on 100", "working on 1000"]  # relayed in order, DEBUG left behind
+
+
+def test_a_body_s_error_comes_back_as_raised_with_its_last_records(pool, caplog):
+    caplog.set_level(logging.INFO, logger="lensemble.progress")
+    with pytest.raises(DataError, match="site store site_b is truncated: regenerate it"):
+        pool.call(_fails, "site_b")
+    assert "about to fail on site_b" in [r.getMessage() for r in caplog.records]
+    assert pool.call(_worker_facts, 3)[2] == 3.0  # the pool survives a failed call
+
+
+def test_concurrent_calls_each_get_their_own_records(pool, caplog):
+    from concurrent.futures import ThreadPoolExecutor
+
+    caplog.set_level(logging.INFO, logger="lensemble.progress")
+    with ThreadPoolExecutor(3) as ex:
+        totals = list(ex.map(lambda n: pool.call(_worker_facts, n)[2], range(20, 26)))
+    assert totals == [float(n * (n - 1) // 2) for n in range(20, 26)]
+    assert sorted(r.getMessage() for r in caplog.records) == sorted(f"working on {n}" for n in range(20, 26))
+
+
+def test_inline_pool_runs_here_with_the_whole_budget():
+    before = torch.get_num_threads()
+    try:
+        pid, threads, total = InlinePool(2).call(_worker_facts, 4)
+        assert (pid, threads, total) == (os.getpid(), 2, 6.0)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _hangs(pid_file: str) -> None:
+    with open(pid_file, "w") as f:
+        f.write(str(os.getpid()))
+    while True:
+        time.sleep(0.05)
+
+
+def _slow_square(x: int) -> int:
+    time.sleep(1.0)
+    return x * x
+
+
+def _interrupt(thread: threading.Thread, exc: type[BaseException]) -> None:
+    """Raise `exc` in `thread` at its next bytecode, as Prefect's timeout does to a task on a worker thread."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(exc))
+
+
+def test_an_abandoned_call_stops_its_worker_and_the_others_run_again(tmp_path):
+    pool = WorkerPool(2, 1)
+    outcome: dict = {}
+    try:
+        def run(name, fn, *args):
+            try:
+                outcome[name] = pool.call(fn, *args)
+            except BaseException as exc:  # noqa: BLE001 - the test reads what each call raised
+                outcome[name] = exc
+
+        pid_file = tmp_path / "hung.pid"
+        hung = threading.Thread(target=run, args=("hung", _hangs, str(pid_file)))
+        other = threading.Thread(target=run, args=("other", _slow_square, 7))
+        hung.start()
+        other.start()
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        hung_pid = int(pid_file.read_text())
+        _interrupt(hung, TimeoutError)
+        hung.join(30)
+        other.join(60)
+        assert isinstance(outcome["hung"], TimeoutError)
+        assert outcome["other"] == 49  # lost with the old workers, run again on the new ones
+        time.sleep(0.5)
+        with pytest.raises(ProcessLookupError):
+            os.kill(hung_pid, 0)  # the worker that ran the abandoned call is gone
+        assert pool.call(_slow_square, 3) == 9
+    finally:
+        pool.close()
