@@ -244,7 +244,8 @@ def test_sovereign_sites_on_their_own_work_pools_with_real_workers(prefect_serve
     pools = {s["name"]: f"pool-{s['name'].replace('_', '-')}-{uuid.uuid4().hex[:8]}" for s in raw["data"]["sites"]}
     for s in raw["data"]["sites"]:
         s["work_pool"] = pools[s["name"]]
-    raw["federate"].update(execution="sovereign", site_launch="deployment", site_timeout_seconds=120.0)
+    # generous: on a loaded 2-core machine the workers took over 120 s to pick up a run once
+    raw["federate"].update(execution="sovereign", site_launch="deployment", site_timeout_seconds=300.0)
     (project / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     with get_client(sync_client=True) as client:
         for pool in pools.values():
