@@ -9,6 +9,8 @@
     lensemble site deploy SITE enrol a sovereign site and register its round deployment on its work pool
     lensemble budgets compare  measured budget values by hardware class and stage, from MLflow
     lensemble ablate           the (H, anchor weight) grid as a Prefect map: drift, success vs bytes
+    lensemble join SITE        a robot not in the federation joins it: new local head vs a model from scratch
+    lensemble export SITE OUT  the site's episode store as a LeRobot dataset (v3.0: parquet, one MP4 per episode)
     lensemble ui               the MLflow UI on the project's store, opened on the runs table (and the Prefect UI's address)
     lensemble bench [NAME ...] the benchmark suite, each figure beside its physical limit
     lensemble profile [CONFIG] torch profiler trace and span table of a training step
@@ -160,6 +162,16 @@ def build_parser() -> argparse.ArgumentParser:
     ablate.add_argument("--inner-steps", default="25,100", help="comma-separated H values, each dividing rounds x H of params.yaml")
     ablate.add_argument("--anchor-weight", default="0,0.1", help="comma-separated anchor weights")
     ablate.add_argument("--parallel", type=int, default=1, help="grid points run at once")
+    join = sub.add_parser("join", help="a robot that took no part in the federation joins it (join.sites in params)")
+    join.add_argument("site", help="the joining site, declared in params.yaml under join.sites")
+    export = sub.add_parser("export", help="write a site's episodes (data/sites/SITE) as a LeRobot v3.0 dataset, at the site")
+    export.add_argument("site", help="the site's name in params.yaml (data.sites)")
+    export.add_argument("out", help="the dataset's folder (absent or empty)")
+    export.add_argument("--fps", type=int, default=None, help="frames per second recorded (default: the fps of the site's "
+                                                              "LeRobot source, else 10)")
+    export.add_argument("--camera", default="observation.images.top", help="the video feature the frames go to")
+    export.add_argument("--video", choices=("lossless", "playable"), default="lossless",
+                        help="lossless: H.264 yuv444p qp 0; playable: H.264 yuv420p crf 18, which browsers play")
     server = sub.add_parser("server", help="the project-local Prefect server")
     server.add_argument("action", choices=("url", "stop"),
                         help="url: the Prefect UI's address (starting the server if none runs); stop: end it")
@@ -214,6 +226,46 @@ def run_command(root: Path, args: argparse.Namespace) -> None:
 def budgets_command(root: Path, args: argparse.Namespace) -> None:
     """`lensemble budgets compare`."""
     budgets_compare(root, root / args.plot)
+
+
+def join_command(root: Path, args: argparse.Namespace) -> None:
+    """`lensemble join SITE`: the site and the federated model checked, then the join flow."""
+    from flows.join import join_flow
+    from lensemble.config import load_params
+    from lensemble.device import resolve_device
+    from lensemble.errors import DataError
+    from orchestration.joining import join_site
+
+    params = load_params(root / "params.yaml")
+    resolve_device(params.run.device)
+    join_site(params, args.site)
+    if not (root / "models" / "federated.pt").is_file():
+        raise DataError(f"{root / 'models' / 'federated.pt'} does not exist: run the federation first (dvc repro)")
+    ensure_server(prefect_home())
+    join_flow(root=str(root), site=args.site)
+
+
+def export_command(root: Path, args: argparse.Namespace) -> None:
+    """`lensemble export SITE OUT`: the site's store, read and checked, written as a LeRobot dataset."""
+    import json
+
+    from lensemble.config import load_params
+    from lensemble.data.lerobot import write_lerobot
+    from lensemble.paths import Layout
+    from lensemble.workflow import load_site
+
+    params = load_params(root / "params.yaml")
+    if args.site not in {s.name for s in params.data.sites}:
+        raise ConfigError(f"site {args.site!r} is not in data.sites; known: {sorted(s.name for s in params.data.sites)}")
+    layout = Layout(root)
+    source = layout.site_dir(args.site) / "source.json"
+    fps = args.fps if args.fps is not None else json.loads(source.read_text())["fps"] if source.is_file() else 10
+    if fps < 1:
+        raise ConfigError(f"--fps must be >= 1, got {fps}")
+    eps = load_site(layout, params, args.site)
+    info = write_lerobot(eps, Path(args.out), fps, camera=args.camera, video=args.video)
+    print(f"{args.out}: LeRobot {info['codebase_version']} dataset, {info['total_episodes']} episodes, "
+          f"{info['total_frames']} frames at {fps} fps")
 
 
 def ablate_command(root: Path, args: argparse.Namespace) -> None:
@@ -348,6 +400,7 @@ def pipeline_command(root: Path, args: argparse.Namespace) -> None:
 SUITES = {"bench": bench_command, "profile": profile_command}
 COMMANDS = {
     "check-params": check_params_command, "run": run_command, "budgets": budgets_command, "ablate": ablate_command,
+    "join": join_command, "export": export_command,
     "serve": serve_command, "site": site_command, "server": server_command, "pipeline": pipeline_command, "ui": ui_command,
 }
 

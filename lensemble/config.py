@@ -63,10 +63,26 @@ class RunParams(Section):
         return v
 
 
+class LeRobotSourceParams(Section):
+    """A local LeRobot dataset (format v3.0) whose episodes the site imports instead of generating them."""
+
+    lerobot: str = Field(..., min_length=1, description="The dataset's root folder (meta/info.json, data/, videos/), "
+                                                        "relative to the project root or absolute.")
+    camera: str = Field(..., min_length=1, description="The video or image feature whose frames become the site's frames, "
+                                                       "e.g. observation.images.top.")
+    state: str = Field("observation.state", min_length=1,
+                       description="The feature read as proprioception; its shape must be the embodiment's proprio_dim.")
+    action: str = Field("action", min_length=1,
+                        description="The feature read as actions; its shape must be the embodiment's action_dim.")
+
+
 class SiteParams(Section):
     name: str = Field(..., pattern=r"^[a-z][a-z0-9_]{0,31}$", description="Site id, lowercase.")
     embodiment: str = Field(..., description="Embodiment name from lensemble.sim.registry.")
-    episodes: int = Field(..., ge=1, le=100_000, description="Episodes generated at this site.")
+    episodes: int = Field(..., ge=1, le=100_000, description="Episodes generated at this site; with a source, the episodes of "
+                                                             "data.episode_length steps cut from the dataset's (the first ones).")
+    source: LeRobotSourceParams | None = Field(None, description="Import the site's episodes from a LeRobot dataset "
+                                               "(`{lerobot: PATH, camera: KEY}`) instead of generating them; None: the simulator.")
     work_pool: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
                                   description="Prefect work pool the site's training runs on in sovereign mode; None: lensemble-<name>.")
     key_fingerprint: str | None = Field(None, pattern=r"^[0-9a-f]{64}$",
@@ -271,6 +287,19 @@ class ServeParams(Section):
         return self
 
 
+class JoinSiteParams(Section):
+    name: str = Field(..., pattern=r"^[a-z][a-z0-9_]{0,31}$", description="Joining site id, lowercase; not one of data.sites.")
+    embodiment: str = Field(..., description="Its embodiment: one that took no part in the federation (lensemble.sim.registry).")
+    episodes: int = Field(8, ge=1, le=10_000, description="Episodes the site generates and joins with (few: the point of joining).")
+
+
+class JoinParams(Section):
+    """`lensemble join SITE`: a robot that took no part in the federation joins it after the fact."""
+
+    sites: tuple[JoinSiteParams, ...] = Field((), description="Sites that may join after the federation.")
+    steps: int = Field(300, ge=1, le=1_000_000, description="AdamW steps of the joined model's local action head, and of the from-scratch model.")
+
+
 class PreflightParams(Section):
     max_cost_usd: float | None = Field(5.0, ge=0.0, description="Refuse a training stage estimated to cost more (USD).")
     max_accelerator_hours: float | None = Field(2.0, ge=0.0, description="Refuse a stage estimated to take longer (hours).")
@@ -291,6 +320,7 @@ class Params(Section):
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
     serve: ServeParams = Field(default_factory=ServeParams)
     preflight: PreflightParams = Field(default_factory=PreflightParams)
+    join: JoinParams = Field(default_factory=JoinParams)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Params":
@@ -307,6 +337,14 @@ class Params(Section):
             if unpinned:
                 raise ValueError(f"data.sites: {unpinned[0]} has no key_fingerprint; sovereign sites' signing keys are pinned out of band "
                                  f"(run `lensemble site keygen {unpinned[0]}` at the site and put the fingerprint it prints in params)")
+        federated = {s.embodiment for s in self.data.sites}
+        for j in self.join.sites:
+            if j.name in {s.name for s in self.data.sites}:
+                raise ValueError(f"join.sites: {j.name} is already a federation site (data.sites); a joining site needs a new name")
+            if j.embodiment not in EMBODIMENTS:
+                raise ValueError(f"join.sites: {j.name} has unknown embodiment {j.embodiment!r}; known: {sorted(EMBODIMENTS)}")
+            if j.embodiment in federated:
+                raise ValueError(f"join.sites: {j.name}'s embodiment {j.embodiment} took part in the federation; a joining site brings a new one")
         cem = self.evaluate.cem
         if cem.context + cem.horizon > self.data.num_steps:
             raise ValueError(f"evaluate.cem.context ({cem.context}) + evaluate.cem.horizon ({cem.horizon}) exceeds data.num_steps "

@@ -20,6 +20,10 @@ class Layout:
     def site_episodes(self, site: str) -> Path:
         return self.site_dir(site) / "episodes.parquet"
 
+    def join_episodes(self, site: str) -> Path:
+        """A site joining after the federation (`lensemble join`): its episodes, at the site, outside every DVC output."""
+        return self.data / "join" / site / "episodes.parquet"
+
     def site_manifest(self, site: str) -> Path:
         return self.site_dir(site) / "manifest.json"
 

@@ -9,7 +9,14 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NONE
 
-from lensemble.data.audit import PrivateIndex, index_path, load_index, scan_blobs, scan_paths, scan_paths_many
+from lensemble.data.audit import (
+    PrivateIndex,
+    index_path,
+    load_index,
+    scan_blobs,
+    scan_paths,
+    scan_paths_many,
+)
 from lensemble.data.residency import ResidencyGuard
 from lensemble.errors import ResidencyViolation
 from lensemble.workflow import load_site, site_names
@@ -49,6 +56,9 @@ def site_indexes(params, layout) -> dict[str, PrivateIndex]:
             out[s] = PrivateIndex.load(index_path(store))
         elif store.exists():
             out[s] = load_index(store, load_site(layout, params, s))
+    for j in params.join.sites:  # a site that joined after the federation (`lensemble join`) is scanned for too
+        if index_path(layout.join_episodes(j.name)).is_file():
+            out[j.name] = PrivateIndex.load(index_path(layout.join_episodes(j.name)))
     return out
 
 

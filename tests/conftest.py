@@ -37,6 +37,7 @@ def micro_params() -> dict:
     raw["evaluate"].update(episodes=2, max_steps=3)
     raw["objective"]["rollout_steps"] = 1
     raw["evaluate"]["cem"].update(samples=8, elites=2, iterations=1, horizon=2, execute_steps=2, context=1)
+    raw.pop("join", None)  # the default's joining robot may be one of these sites' embodiments
     return raw
 
 

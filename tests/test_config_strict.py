@@ -13,13 +13,14 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from lensemble.config import Params, SiteParams, _numeric_field, parse_params
+from lensemble.config import Params, _numeric_field, parse_params
 from lensemble.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 FINGERPRINT = "ab" * 32
 BASE = {"data": {"sites": [{"name": "a", "embodiment": "grid_point", "episodes": 2},
-                           {"name": "b", "embodiment": "grid_point", "episodes": 2}]}}
+                           {"name": "b", "embodiment": "grid_point", "episodes": 2}]},
+        "join": {"sites": [{"name": "j", "embodiment": "grid_thruster", "episodes": 2}]}}
 
 
 def _model_of(annotation) -> type[BaseModel] | None:
@@ -37,7 +38,7 @@ def _leaves(model: type[BaseModel], path: tuple) -> list[tuple[tuple, object]]:
     out = []
     for name, field in model.model_fields.items():
         inner = _model_of(field.annotation)
-        if inner is SiteParams:
+        if inner is not None and typing.get_origin(field.annotation) is tuple:  # a list of sites: its first entry
             out += _leaves(inner, path + (name, 0))
         elif inner is not None:
             out += _leaves(inner, path + (name,))

@@ -13,6 +13,8 @@ EMBODIMENTS: dict[str, tuple[str, str, str | None]] = {
     "pusht": ("lensemble.sim.pusht", "PushT", "gym-pusht"),
     "mujoco_point": ("lensemble.sim.mujoco_envs", "MujocoPointMass", "mujoco"),
     "mujoco_reacher": ("lensemble.sim.mujoco_envs", "MujocoReacher", "mujoco"),
+    "dmc_point_mass": ("lensemble.sim.dmc", "DmcPointMass", "dm-control"),  # suite point_mass-easy
+    "dmc_reacher": ("lensemble.sim.dmc", "DmcReacher", "dm-control"),  # suite reacher-easy
 }
 
 
