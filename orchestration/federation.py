@@ -46,7 +46,7 @@ from lensemble.workflow import (
     warm_start,
 )
 from orchestration.sites import check_sovereign, make_sites, site_task_options
-from orchestration.workers import site_pool
+from orchestration.workers import makespan, site_pool, site_slots
 
 
 @dataclass
@@ -117,7 +117,7 @@ def open_federation(ctx) -> Federation:
     state_paths = {s: ctx.out.path(f"models/sites/{s}.pt") for s in sites}
     delta_paths = {s: ctx.out.path(f"models/sites/{s}.delta.pt") for s in sites}
     pool = make_sites(p, ctx.layout, spec, run_id, state_paths, delta_paths, exchange)
-    site_pool(p, warm=("orchestration.site_work",))  # the sites' worker processes start now, not inside round 0's site timeouts
+    site_pool(p, warm=("orchestration.site_work",)).wait_ready()  # the sites' workers start now, not inside round 0 (or its timeouts)
     return Federation(p, ctx.layout, model, sites, spec, spec_numel(spec), probe_frames(ctx.layout, p),
                       aggregator_codec(p.federate.transport, p.federate.quant_block, pool.pins, p.federate.announce_outlier_factor),
                       pool, run_id, state_paths, ctx.layout.root / "checkpoints")
@@ -156,9 +156,11 @@ def federation_round(fed: Federation, r: int, state: FederationState, outer) -> 
     from tasks.federation import gauge_round
 
     gauge = gauge_round(p.run.seed, r, {s: trained[s]["probe_embedding"] for s in res.members}, new_probe, p.gauge.pair_samples)
-    # the sites' own work on the round's critical path: the slowest training, announcement and encoding
-    work = (probe_seconds + max(trained[s]["task_seconds"] for s in res.members) + exchange_work + res.outer_seconds
-            + encode_probe_seconds + gauge["seconds"])
+    # the sites' own work on the round's critical path: their training as the workers ran it (with fewer workers
+    # than sites, some trainings run one after another: compute, not orchestration), the slowest announcement
+    # and encoding, the outer step and the gauge
+    training = makespan([trained[s]["task_seconds"] for s in fed.sites if s in trained], site_slots(p))
+    work = probe_seconds + training + exchange_work + res.outer_seconds + encode_probe_seconds + gauge["seconds"]
     return RoundOutcome(r, res, trained, {**train_failed, **res.dropped}, gauge, work, time.perf_counter() - t_gauge, t_round)
 
 

@@ -116,9 +116,13 @@ class WorkerPool:
     def _start(self) -> ProcessPoolExecutor:
         """A fresh executor whose workers start now (spawn and import, ~2-3 s), not inside the first call's timeout."""
         executor = ProcessPoolExecutor(self.workers, mp_context=self._ctx, initializer=_init_worker, initargs=(self.threads, self._records))
-        for _ in range(self.workers):
-            executor.submit(_warm, self.warm)
+        self._warming = [executor.submit(_warm, self.warm) for _ in range(self.workers)]
         return executor
+
+    def wait_ready(self) -> None:
+        """Block until every worker has started and imported its `warm` modules (so a first call pays none of it)."""
+        for future in self._warming:
+            future.result()
 
     def _route(self) -> None:
         """Hand each record from the workers to the inbox of the call that emitted it."""
@@ -210,6 +214,9 @@ class InlinePool:
         torch.set_num_threads(self.threads)
         return fn(*args, **kwargs)
 
+    def wait_ready(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -233,6 +240,27 @@ def site_pool(params, warm: tuple[str, ...] = ()) -> WorkerPool | InlinePool:
         if pool is None:
             pool = _pools[(workers, threads)] = WorkerPool(workers, threads, warm)
         return pool
+
+
+def site_slots(params) -> int | None:
+    """How many sites' work runs at once under `params` in this process's pool: its workers; None when every site
+    runs at once (threads, Dask, a GPU, sovereign sites at home)."""
+    workers, _ = thread_split(params.run.torch_threads, params.run.workers)
+    if params.federate.execution == "sovereign" or params.federate.task_runner == "dask" or workers == 1:
+        return None
+    return None if resolve_device(params.run.device).type == "cuda" else workers
+
+
+def makespan(seconds: list[float], slots: int | None) -> float:
+    """Wall time of jobs taking `seconds`, submitted in this order to `slots` workers that each take the next job when
+    free (the pool's first-in first-out queue); None: all at once. The critical path of a round's site work."""
+    if slots is None or slots >= len(seconds):
+        return max(seconds, default=0.0)
+    free = [0.0] * slots
+    for s in seconds:
+        i = free.index(min(free))
+        free[i] += s
+    return max(free)
 
 
 def close_pools() -> None:

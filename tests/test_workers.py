@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lensemble.errors import DataError
-from orchestration.workers import InlinePool, WorkerPool, thread_split
+from orchestration.workers import InlinePool, WorkerPool, makespan, thread_split
 
 
 def _worker_facts(n: int) -> tuple[int, int, float]:
@@ -37,7 +37,8 @@ def test_thread_split_never_exceeds_the_budget(threads, workers, expected):
 
 @pytest.fixture(scope="module")
 def pool():
-    p = WorkerPool(2, 1)
+    p = WorkerPool(2, 1, warm=("orchestration.site_work",))
+    p.wait_ready()  # both workers started and imported it
     yield p
     p.close()
 
@@ -126,3 +127,12 @@ def test_an_abandoned_call_stops_its_worker_and_the_others_run_again(tmp_path):
         assert pool.call(_slow_square, 3) == 9
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("seconds, slots, expected", [
+    ([2.0, 2.0, 2.0], 2, 4.0),  # the third waits for the first worker to free
+    ([2.0, 2.0, 2.0], None, 2.0),  # all at once
+    ([2.0, 2.0, 2.0], 3, 2.0), ([1.0, 3.0, 1.0, 1.0], 2, 3.0), ([3.0, 1.0, 1.0, 1.0], 2, 3.0), ([5.0], 2, 5.0), ([], 2, 0.0),
+])
+def test_makespan_is_the_first_in_first_out_schedule_of_the_pool(seconds, slots, expected):
+    assert makespan(seconds, slots) == expected
