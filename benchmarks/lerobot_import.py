@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-import time
 from pathlib import Path
 
 import av
@@ -26,19 +25,11 @@ from av.video.reformatter import VideoReformatter
 
 from lensemble.data.episodes import generate_episodes
 from lensemble.data.lerobot import VIDEO_PRESETS, read_lerobot, write_lerobot
+from lensemble.perf import best_seconds
 from lensemble.sim.registry import make_embodiment
 
 CAMERA = "observation.images.top"
 WINDOW = 4  # frames per window, as the loader benchmark (benchmarks/data.py)
-
-
-def _best(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def decode_file(path: Path, rgb: bool) -> int:
@@ -67,9 +58,9 @@ def import_throughput(episodes: int = 64, length: int = 128, size: int = 64, vid
         write_lerobot(eps, root, fps=30, camera=CAMERA, video=video)
         videos = sorted((root / "videos" / CAMERA).rglob("*.mp4"))
         frames = episodes * length
-        raw_s = _best(lambda: decode_all(videos, False, threads), repeats)
-        rgb_s = _best(lambda: decode_all(videos, True, threads), repeats)
-        imp_s = _best(lambda: read_lerobot(root, CAMERA, "grid_point", size, length, episodes, threads=threads), repeats)
+        raw_s = best_seconds(lambda: decode_all(videos, False, threads), repeats)
+        rgb_s = best_seconds(lambda: decode_all(videos, True, threads), repeats)
+        imp_s = best_seconds(lambda: read_lerobot(root, CAMERA, "grid_point", size, length, episodes, threads=threads), repeats)
         mp4_bytes = sum(p.stat().st_size for p in videos)
     return {"video": video, "frames": frames, "size": size, "mp4_bytes": mp4_bytes, "threads": threads,
             "decode_raw_fps": frames / raw_s, "decode_rgb_fps": frames / rgb_s,
