@@ -3,7 +3,7 @@
     lensemble join SITE          # SITE declared in params.yaml under join.sites (name, embodiment, episodes)
 
 Needs the federation's `models/federated.pt` (`dvc repro`). The site generates its few episodes at
-home, trains a new local action head on the frozen federated encoder and predictor, and a model of
+home, trains a new local action head and proprio adapter on the frozen federated encoder and predictor, and a model of
 its own from scratch on the same episodes; both plan closed loop on the same seeds beside the oracle
 and random actions. Writes `reports/join/<site>.json` and `reports/join/<site>.md` (the result as a
 report section), records its own MLflow stage run and RunManifest like every stage. Like the
@@ -29,7 +29,7 @@ def join_markdown(r: dict) -> str:
             f"{r['episodes']} episodes of its own, {r['steps']} training steps each; {r['evaluation_episodes']} evaluation "
             f"episodes (same seeds for every agent), success: {r['success_criterion']}.\n\n"
             "| agent | success [95% Wilson] | successes |\n|---|---|---|\n" + rows + "\n\n"
-            f"Joined (federated encoder + predictor, frozen; only a new local action head trained) over from scratch: {ratio}, "
+            f"Joined (federated encoder + predictor, frozen; only a new local action head and proprio adapter trained) over from scratch: {ratio}, "
             f"two-sided Fisher exact p = {r['joined_vs_scratch_p']:.3g}.\n")
 
 

@@ -297,7 +297,7 @@ class JoinParams(Section):
     """`lensemble join SITE`: a robot that took no part in the federation joins it after the fact."""
 
     sites: tuple[JoinSiteParams, ...] = Field((), description="Sites that may join after the federation.")
-    steps: int = Field(300, ge=1, le=1_000_000, description="AdamW steps of the joined model's local action head, and of the from-scratch model.")
+    steps: int = Field(1200, ge=1, le=1_000_000, description="AdamW steps of the joined model's local action head and proprio adapter, and of the from-scratch model.")
 
 
 class PreflightParams(Section):

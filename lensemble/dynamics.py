@@ -64,7 +64,7 @@ def rollout_errors(model: WorldModel, eps: Episodes, context: int, horizon: int,
     if shuffle_gen is not None:
         a = a[torch.randperm(a.shape[0], generator=shuffle_gen)]
     device = model_device(model)
-    z_hat, q_hat = rollout(model.predictor, z[:, :context].to(device), q[:, :context].to(device),
+    z_hat, q_hat = rollout(model.predictor_for(eps.embodiment), z[:, :context].to(device), q[:, :context].to(device),
                            model.action_heads[eps.embodiment](a.to(device)))
     z_hat, q_hat = z_hat.float().cpu(), q_hat.float().cpu()
     z_true, q_true = z[:, context:], q[:, context:, :p]

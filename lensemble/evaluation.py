@@ -92,7 +92,7 @@ def model_rollout_fn(model: WorldModel, embodiment: str, z_CND: torch.Tensor, q_
     def run(actions_SHK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         S = actions_SHK.shape[0]
         acts = torch.cat([past_CK[None].expand(S, -1, -1), actions_SHK], dim=1).to(z_CND.device)  # [S, C-1+H, K]
-        z, q = rollout(model.predictor, z_CND[None].expand(S, -1, -1, -1), q_CQ[None].expand(S, -1, -1), model.action_heads[embodiment](acts))
+        z, q = rollout(model.predictor_for(embodiment), z_CND[None].expand(S, -1, -1, -1), q_CQ[None].expand(S, -1, -1), model.action_heads[embodiment](acts))
         return z[:, -1], q[:, -1]
 
     return run

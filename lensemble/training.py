@@ -104,7 +104,7 @@ def train_steps(
             None if t is None else to_device(t, device) for t in (frames, actions, proprio, directions, sig_index, probe, global_probe))
         with autocast_context(train.precision, device.type):
             terms = world_model_loss(
-                model.encoder, model.predictor, model.action_heads[embodiment], frames, actions, proprio, directions, sig_index,
+                model.encoder, model.predictor_for(embodiment), model.action_heads[embodiment], frames, actions, proprio, directions, sig_index,
                 proprio_valid=sampler.proprio_valid, proprio_weight=objective.proprio_weight,
                 sigreg_weight=objective.sigreg_weight, anchor_weight=objective.anchor_weight,
                 num_knots=objective.num_knots, t_max=objective.t_max, rollout_steps=objective.rollout_steps, sigreg_on=objective.sigreg_on,

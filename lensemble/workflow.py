@@ -47,7 +47,7 @@ _INIT_LOCK = threading.Lock()
 
 def build_model(params: Params, purpose: str, extra_embodiments: Sequence[str] = ()) -> WorldModel:
     """A freshly initialised world model, seeded by (run seed, purpose), with an action head per federated embodiment
-    and per `extra_embodiments` (a robot joining after the federation).
+    and, per `extra_embodiments` (a robot joining after the federation), an action head and a proprio adapter.
 
     nn.Module initialisers draw from torch's global generator; site tasks run in threads, so seeding
     and construction happen under one lock or concurrent sites would interleave their draws.
@@ -55,7 +55,8 @@ def build_model(params: Params, purpose: str, extra_embodiments: Sequence[str] =
     with _INIT_LOCK:
         torch.manual_seed(derive_seed(params.run.seed, f"init/{purpose}"))
         dims = action_dims(params) | {e: embodiment_class(e).action_dim for e in extra_embodiments}
-        return WorldModel(params.model, params.data.image_size, dims, max_steps=params.data.num_steps)
+        adapted = {e: embodiment_class(e).proprio_dim for e in extra_embodiments}
+        return WorldModel(params.model, params.data.image_size, dims, max_steps=params.data.num_steps, adapted=adapted)
 
 
 def place(model: WorldModel, params: Params) -> WorldModel:

@@ -6,10 +6,12 @@ episodes of its own, do better on the federated encoder and predictor than on a 
 1. The site generates its `episodes` episodes (`join.sites[]`) into data/join/<site>/ with its
    private-content index beside them, as a federation site's prepare does; they never leave the site.
 2. **Joined**: the global encoder and predictor (models/federated.pt), frozen, with a new local action
-   head for the site's embodiment, the only trained part (`join.steps` AdamW steps on the site's
-   episodes; the model has no separate proprio adapter: proprio enters the shared predictor).
-3. **From scratch**: the same architecture, freshly initialised, every parameter trained for the same
-   steps on the same episodes.
+   head and a new local proprio adapter for the site's embodiment, the only trained parts (`join.steps`
+   AdamW steps on the site's episodes). The adapter maps the robot's proprioception into the frame the
+   federated proprio encoder was trained on and the predicted change back (lensemble.model.predictor):
+   without it the frozen predictor reads the new robot's components as another robot's.
+3. **From scratch**: the same architecture (adapter included), freshly initialised, every parameter
+   trained for the same steps on the same episodes.
 4. Both plan closed loop with the same CEM on the same evaluation seeds, beside the oracle planner and
    random actions (lensemble.evaluation); success with Wilson intervals, and a Fisher exact test of
    joined against scratch.
@@ -58,14 +60,14 @@ def join_site(params: Params, name: str) -> JoinSiteParams:
 
 
 def joined_model(params: Params, layout: Layout, embodiment: str) -> WorldModel:
-    """The federated encoder + predictor with a new, untrained action head for `embodiment`; only the head trains."""
+    """The federated encoder + predictor with a new, untrained action head and proprio adapter for `embodiment`; only those train."""
     path = layout.models / "federated.pt"
     if not path.is_file():
         raise DataError(f"Stage B model {path} does not exist: run the federation first (dvc repro)")
     model = build_model(params, f"eval/join/head/{embodiment}", extra_embodiments=(embodiment,))
     load_federated(model, torch.load(path, map_location="cpu", weights_only=True))
     for n, p in model.named_parameters():
-        p.requires_grad_(n.startswith(f"action_heads.{embodiment}."))
+        p.requires_grad_(n.startswith((f"action_heads.{embodiment}.", f"proprio_adapters.{embodiment}.")))
     return place(model, params)
 
 

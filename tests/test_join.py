@@ -43,7 +43,7 @@ def test_join_before_any_federation_is_one_line_naming_the_missing_model(tmp_pat
                                                "run the federation first (dvc repro)"]
 
 
-def test_the_joined_model_trains_only_its_new_head_and_both_agents_plan_on_the_same_seeds(prefect_server, tmp_path, monkeypatch):
+def test_the_joined_model_trains_only_its_new_head_and_adapter_and_both_agents_plan_on_the_same_seeds(prefect_server, tmp_path, monkeypatch):
     from flows.federate import federate_flow
     from flows.join import join_flow
     from flows.prepare import prepare_flow
@@ -62,8 +62,12 @@ def test_the_joined_model_trains_only_its_new_head_and_both_agents_plan_on_the_s
     assert all(v["wins"] == round(v["success_rate"] * saved["evaluation_episodes"]) for v in saved["success"].values())
     m = saved["metrics"]
     assert set(m) <= JOIN_METRICS
-    # joined: only the new head (a few hundred parameters) against every parameter of the scratch model
-    assert 0 < m["eval/join/trained_parameters/joined"] < m["eval/join/trained_parameters/scratch"] / 20
+    # joined: only the new head and proprio adapter, against every parameter of the scratch model (the same architecture)
+    from lensemble.workflow import build_model
+    model = build_model(parse_params(raw), "test", extra_embodiments=("grid_thruster",))
+    local = sum(p.numel() for n, p in model.named_parameters() if n.startswith(("action_heads.grid_thruster.", "proprio_adapters.grid_thruster.")))
+    assert m["eval/join/trained_parameters/joined"] == local < m["eval/join/trained_parameters/scratch"] / 20
+    assert m["eval/join/trained_parameters/scratch"] == sum(p.numel() for p in model.parameters())
     assert m["eval/join/steps/joined"] == m["eval/join/steps/scratch"] == 3
     md = (root / "reports" / "join" / "site_j.md").read_text()
     assert md.startswith("## A new robot joins: site_j (grid_thruster)") and "| joined |" in md and "Fisher exact p" in md

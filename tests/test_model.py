@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lensemble.model.predictor import Predictor, block_causal_mask, rollout
+from lensemble.model.predictor import AdaptedPredictor, Predictor, ProprioAdapter, block_causal_mask, rollout
 from lensemble.objectives.losses import prediction_loss, sigreg_tokens
 
 Q = 6  # padded proprio width
@@ -123,3 +123,66 @@ def test_centered_tokens_remove_the_shared_layout():
     assert t.shape == (24, 16)
     assert torch.allclose(t.reshape(6, 4, 16).mean(0), torch.zeros(4, 16), atol=1e-5)
     assert sigreg_tokens(z, "frames", None).shape == (6, 16)
+
+
+def _adapter(valid: int, trained: bool) -> ProprioAdapter:
+    """A proprio adapter at initialisation (identity) or as training leaves it (random affine maps both ways)."""
+    ad = ProprioAdapter(Q, valid)
+    if trained:
+        torch.manual_seed(5)
+        for w in (ad.inp.weight, ad.inp.bias, ad.out.weight):
+            torch.nn.init.normal_(w, std=0.5)
+    return ad
+
+
+@torch.no_grad()
+def test_an_untrained_adapter_changes_nothing_in_the_embodiment_components_and_keeps_the_padding_zero():
+    g = _predictor()
+    z, q, a = _inputs(11)
+    q[..., 4:] = 0.0  # an embodiment with 4 components, zero-padded to Q
+    raw_z, raw_q = g(z, q, a)
+    ad_z, ad_q = AdaptedPredictor(g, _adapter(4, trained=False))(z, q, a)
+    assert torch.equal(ad_z, raw_z) and torch.equal(ad_q[..., :4], raw_q[..., :4])
+    assert torch.equal(ad_q[..., 4:], torch.zeros_like(ad_q[..., 4:]))  # the raw predictor's padding moved: the adapter's never does
+
+
+@torch.no_grad()
+def test_through_any_adapter_an_untrained_predictor_still_says_nothing_moves():
+    torch.manual_seed(0)
+    g = Predictor(latent_dim=16, num_tokens=4, action_embed=8, width=32, depth=2, heads=4, max_steps=8, proprio_dim=Q).eval()
+    z, q, a = _inputs(12)
+    q[..., 4:] = 0.0
+    out_z, out_q = AdaptedPredictor(g, _adapter(4, trained=True))(z, q, a)
+    assert torch.equal(out_z, z) and torch.allclose(out_q, q, atol=1e-6)
+
+
+@torch.no_grad()
+def test_an_adapted_rollout_equals_adapted_teacher_forcing_on_its_own_predictions():
+    g = AdaptedPredictor(_predictor(), _adapter(5, trained=True))
+    z, q, a = _inputs(13, B=3, T=6)
+    q[..., 5:] = 0.0
+    C = 2
+    z_hat, q_hat = rollout(g, z[:, :C], q[:, :C], a)
+    hist_z, hist_q = torch.cat([z[:, :C], z_hat[:, :-1]], dim=1), torch.cat([q[:, :C], q_hat[:, :-1]], dim=1)
+    tf_z, tf_q = g(hist_z, hist_q, a)
+    assert torch.allclose(tf_z[:, C - 1:], z_hat, atol=1e-5) and torch.allclose(tf_q[:, C - 1:], q_hat, atol=1e-5)
+    assert not torch.allclose(q_hat, rollout(g.predictor, z[:, :C], q[:, :C], a)[1], atol=1e-3)  # the adapter is on the path
+
+
+def test_proprio_adapters_are_local_and_only_joining_embodiments_have_one():
+    from lensemble.config import parse_params
+    from lensemble.model.world_model import federated_state, load_federated, local_state
+    from lensemble.workflow import build_model
+    from tests.conftest import micro_params
+
+    params = parse_params(micro_params())
+    member = params.data.sites[0].embodiment
+    fed = build_model(params, "test/fed")
+    joined = build_model(params, "test/join", extra_embodiments=("grid_thruster",))
+    assert len(fed.proprio_adapters) == 0 and fed.predictor_for(member) is fed.predictor
+    assert list(joined.proprio_adapters) == ["grid_thruster"] and isinstance(joined.predictor_for("grid_thruster"), AdaptedPredictor)
+    assert not any(n.startswith("proprio_adapters.") for n in federated_state(joined))  # never in a pseudo-gradient
+    assert {n for n in local_state(joined) if n.startswith("proprio_adapters.")} == {
+        f"proprio_adapters.grid_thruster.{w}" for w in ("inp.weight", "inp.bias", "out.weight")}
+    load_federated(joined, federated_state(fed))  # the federated model loads into a joining one unchanged
+    assert all(torch.equal(p, federated_state(fed)[n]) for n, p in federated_state(joined).items())

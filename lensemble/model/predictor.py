@@ -40,6 +40,43 @@ class ActionHead(nn.Module):
         return self.net(actions_BTK)  # [B, T, A]
 
 
+class ProprioAdapter(nn.Module):
+    """a_ψ^(c): the embodiment's proprioception frame ↔ the federation's shared one, LOCAL like the action head.
+
+    A robot that joins after the federation records proprioception whose components mean something
+    else than those the federated proprio encoder was trained on (dm_control's reacher puts the
+    fingertip-to-target vector at components 4-5, our reacher at 9-10). The adapter maps q into the
+    shared frame before the predictor (`inp`, affine) and the predictor's change back into the
+    embodiment's frame (`out`, linear): q̂_{t+1} = q_t + out(q̂'_{t+1} − inp(q_t)), masked to the embodiment's
+    `valid` components. Identity at initialisation (an adapter that learnt nothing changes nothing),
+    and the copy ("nothing moves") stays the residual's starting point whatever it learns.
+    """
+
+    def __init__(self, width: int, valid: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.out = nn.Linear(width, width, bias=False)  # a map of changes: no change in, none out
+        nn.init.eye_(self.inp.weight)
+        nn.init.zeros_(self.inp.bias)
+        nn.init.eye_(self.out.weight)
+        self.register_buffer("valid_Q", (torch.arange(width) < valid).float(), persistent=False)
+
+
+class AdaptedPredictor(nn.Module):
+    """g_φ seen through an embodiment's proprio adapter: the same call and cache as `Predictor`, in the embodiment's frame."""
+
+    def __init__(self, predictor: Predictor, adapter: ProprioAdapter) -> None:
+        super().__init__()
+        self.predictor, self.adapter = predictor, adapter
+
+    def forward(self, z_BTND: torch.Tensor, q_BTQ: torch.Tensor, act_BTA: torch.Tensor, cache: KVCache | None = None,
+                return_cache: bool = False):
+        shared_BTQ = self.adapter.inp(q_BTQ)
+        out = self.predictor(z_BTND, shared_BTQ, act_BTA, cache, return_cache)
+        q_next = q_BTQ + self.adapter.out(out[1] - shared_BTQ) * self.adapter.valid_Q
+        return (out[0], q_next, *out[2:])
+
+
 class Predictor(nn.Module):
     """g_φ: (z_{≤t}, q_{≤t}, h(a_{≤t})) → (ẑ_{t+1}, q̂_{t+1}), FEDERATED (proprio encoder/decoder included)."""
 
@@ -102,7 +139,7 @@ class KVCache:
         self.kv, self.steps = kv, steps
 
 
-def rollout(predictor: Predictor, z_BCND: torch.Tensor, q_BCQ: torch.Tensor, act_BTA: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rollout(predictor: Predictor | AdaptedPredictor, z_BCND: torch.Tensor, q_BCQ: torch.Tensor, act_BTA: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Autoregressive rollout from a context of C observations under T = C − 1 + H embedded actions
     (the C − 1 taken between the context's observations, then H new ones).
 

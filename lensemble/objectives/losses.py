@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from lensemble.model.predictor import ActionHead, Predictor, rollout
+from lensemble.model.predictor import ActionHead, AdaptedPredictor, Predictor, rollout
 from lensemble.model.vit import ViTEncoder
 from lensemble.objectives.sigreg import sigreg
 
@@ -25,7 +25,7 @@ class LossTerms:
     anchor: torch.Tensor
 
 
-def prediction_loss(predictor: Predictor, z_BTND: torch.Tensor, q_BTQ: torch.Tensor, act_BTA: torch.Tensor, rollout_steps: int,
+def prediction_loss(predictor: Predictor | AdaptedPredictor, z_BTND: torch.Tensor, q_BTQ: torch.Tensor, act_BTA: torch.Tensor, rollout_steps: int,
                     proprio_valid: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(latent, proprio) prediction MSE: teacher-forced ẑ_{t+1}, q̂_{t+1} for every t, plus an autoregressive
     rollout of the window's last k = `rollout_steps` steps from the T - k before them (the context a
@@ -67,7 +67,7 @@ def anchor_loss(encoder: ViTEncoder, probe_PCHW: torch.Tensor, global_probe_PND:
 
 def world_model_loss(
     encoder: ViTEncoder,
-    predictor: Predictor,
+    predictor: Predictor | AdaptedPredictor,
     head: ActionHead,
     frames_BTCHW: torch.Tensor,
     actions_BTK: torch.Tensor,
