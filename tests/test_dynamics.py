@@ -56,6 +56,9 @@ class Planted(nn.Module):
         if constant_encoder:
             self.encoder = ConstantEncoder()
 
+    def predictor_for(self, embodiment: str) -> nn.Module:
+        return self.predictor  # as WorldModel's for an embodiment without a proprio adapter
+
 
 class ConstantEncoder(nn.Module):
     def forward(self, frames_BTCHW: torch.Tensor) -> torch.Tensor:
