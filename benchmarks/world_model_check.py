@@ -2,7 +2,7 @@
 closed-loop success against the oracle and random actions, per embodiment.
 
     python benchmarks/world_model_check.py [params.yaml] [key=value ...] [--steps N] [--eval-episodes E] [--held-out K]
-        [--train-diagnostics] [--no-closed-loop] [--cache DIR]
+        [--train-diagnostics] [--no-closed-loop] [--closed-loop-on EMB ...] [--no-baselines] [--cache DIR]
 
 `--held-out K`: held-out episodes per embodiment for the diagnostics (default: the params' probe episodes);
 `--train-diagnostics`: also the rollout diagnostics on the first 8 training episodes (how much of the
@@ -65,6 +65,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--no-closed-loop", action="store_true")
     ap.add_argument("--held-out", type=int, default=None)
     ap.add_argument("--train-diagnostics", action="store_true")
+    ap.add_argument("--closed-loop-on", nargs="*", default=None, help="embodiments to plan in (default: all)")
+    ap.add_argument("--no-baselines", action="store_true", help="skip the oracle and random planners")
     args = ap.parse_args(argv)
     raw = yaml.safe_load(Path(args.params).read_text())
     for o in args.overrides:
@@ -99,13 +101,14 @@ def main(argv: list[str]) -> None:
     if args.no_closed_loop:
         return
     cfg = CEMConfig(c.samples, c.elites, c.iterations, c.horizon)
-    for emb in sorted(train):
+    for emb in sorted(args.closed_loop_on or train):
         env = make_embodiment(emb, p.data.image_size)
         if emb in p.evaluate.success:
             env.set_success_criterion(p.evaluate.success[emb])
         seeds = list(eval_seeds(p, emb))[: args.eval_episodes]
         row = {}
-        for name, agent in (("model", model), ("oracle", ORACLE), ("random", None)):
+        agents = (("model", model),) if args.no_baselines else (("model", model), ("oracle", ORACLE), ("random", None))
+        for name, agent in agents:
             t0 = time.perf_counter()
             r = evaluate(env, seeds, p.evaluate.max_steps, agent, cfg, generator(p.run.seed, f"cem/{name}"), c.execute_steps,
                          c.context, p.model.proprio_dim)
