@@ -6,6 +6,7 @@ a site's frame has turned, its residual how much is not a rotation at all.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,6 +66,27 @@ def effective_dim(z_ND: torch.Tensor) -> dict[str, float]:
     return {"rankme": rankme, "participation_ratio": pr}
 
 
+def embodiment_spread(z_PD: torch.Tensor, labels: Sequence[str]) -> dict:
+    """The probe's effective dimension read per embodiment: each embodiment's own RankMe (`by_embodiment`), its rms
+    spread about its centroid (`within_rms`), and the share of the probe's variance that lies between the
+    embodiments' centroids (`between_fraction`). A whole-probe RankMe near the number of embodiments with a
+    between share near 1 and healthy per-embodiment RankMe means the robots sit far apart, not that any
+    robot's representation collapsed; per-embodiment RankMe falling is collapse."""
+    if len(labels) != z_PD.shape[0]:
+        raise ValueError(f"{len(labels)} probe labels for {z_PD.shape[0]} embeddings")
+    z = z_PD.to(torch.float64)
+    total = float((z - z.mean(0)).pow(2).sum(1).mean())
+    by, rms, within = {}, {}, 0.0
+    for emb in sorted(set(labels)):
+        zz = z[torch.tensor([lab == emb for lab in labels])]
+        sq = (zz - zz.mean(0)).pow(2).sum(1)
+        by[emb] = effective_dim(zz)["rankme"]
+        rms[emb] = float(sq.mean().sqrt())
+        within += float(sq.sum())
+    between = 1.0 - within / z.shape[0] / total if total > 0 else 0.0
+    return {"by_embodiment": by, "within_rms": rms, "between_fraction": between}
+
+
 def collapse_tripwire(federated: list[float], pooled: list[float], drop_fraction: float) -> bool:
     """True when any round's federated effective dimension falls below (1 − drop_fraction) × the pooled model's
     at the same point of training: collapse is read against what the pooled data supports, not against round 1
@@ -82,10 +104,14 @@ def matched_pooled(curve: list[dict], rounds: int) -> list[dict]:
 
 
 def round_summary(record: dict) -> dict:
-    """One round's gauge row from its `reports/federate.json` record: drift over sites, effective dimension."""
+    """One round's gauge row from its `reports/federate.json` record: drift over sites, effective dimension (and,
+    where the round recorded it, per embodiment)."""
     sites = record["sites"].values()
     angles = [s["gauge/drift_angle_deg"] for s in sites]
-    return {"round": record["round"], "drift_angle_deg_mean": sum(angles) / len(angles),
+    spread = record["gauge"].get("embodiments")
+    extra = {} if spread is None else {"effective_dim_by_embodiment": spread["by_embodiment"], "between_fraction": spread["between_fraction"],
+                                       "within_rms": spread["within_rms"]}
+    return {**extra, "round": record["round"], "drift_angle_deg_mean": sum(angles) / len(angles),
             "drift_angle_deg_max": max(s["gauge/drift_angle_max_deg"] for s in sites),
             "procrustes_residual_mean": sum(s["gauge/procrustes_residual"] for s in sites) / len(angles),
             "effective_dim": record["gauge"]["effective_dim"]["rankme"],
@@ -101,6 +127,7 @@ class RoundGauge:
     effective_dim_min: float  # lowest federated RankMe over the run
     effective_dim_vs_pooled_min: float  # lowest federated ÷ pooled RankMe over the run
     collapse_tripwire: bool
+    within_vs_pooled_min: float | None = None  # lowest per-embodiment federated ÷ pooled RankMe over rounds and embodiments
 
 
 def gauge_over_rounds(rounds: list[dict], pooled_curve: list[dict], drop_fraction: float) -> RoundGauge:
@@ -111,10 +138,14 @@ def gauge_over_rounds(rounds: list[dict], pooled_curve: list[dict], drop_fractio
     for row, point in zip(per_round, pooled):
         row["pooled_effective_dim"] = point["rankme"]
         row["effective_dim_vs_pooled"] = row["effective_dim"] / max(point["rankme"], 1e-12)
+        if "effective_dim_by_embodiment" in row and "by_embodiment" in point:
+            row["pooled_by_embodiment"], row["pooled_between_fraction"] = point["by_embodiment"], point["between_fraction"]
+            row["within_vs_pooled"] = {e: v / max(point["by_embodiment"][e], 1e-12) for e, v in row["effective_dim_by_embodiment"].items()}
+    within = [v for r in per_round for v in r.get("within_vs_pooled", {}).values()]
     tripwire = collapse_tripwire([r["effective_dim"] for r in per_round], [p["rankme"] for p in pooled], drop_fraction)
     return RoundGauge(per_round=per_round, effective_dim_min=min(r["effective_dim"] for r in per_round),
                       effective_dim_vs_pooled_min=min(r["effective_dim_vs_pooled"] for r in per_round),
-                      collapse_tripwire=tripwire)
+                      collapse_tripwire=tripwire, within_vs_pooled_min=min(within) if within else None)
 
 
 def sample_pairs(sites: list[str], num_pairs: int, rng: np.random.Generator) -> list[tuple[str, str]]:

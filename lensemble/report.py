@@ -178,6 +178,22 @@ def out_of_band_lines(budgets: list[dict]) -> list[str]:
     return lines or [f"- none: all {len(budgets)} budgets within their bands"]
 
 
+def within_embodiment_lines(gauge: dict) -> list[str]:
+    """The collapse check read per embodiment: a whole-probe RankMe can fall because the robots sit far apart (the
+    variance between their centroids dominates) while no robot's own representation has collapsed."""
+    low = gauge.get("effective_dim_within_vs_pooled_min")
+    rows = [r for r in gauge["per_round"] if "within_vs_pooled" in r]
+    if low is None or not rows:
+        return []
+    worst = min(rows, key=lambda r: min(r["within_vs_pooled"].values()))
+    emb = min(worst["within_vs_pooled"], key=worst["within_vs_pooled"].get)
+    lowest_whole = min(gauge["per_round"], key=lambda r: r["effective_dim_vs_pooled"])
+    return [(
+        f"  - per embodiment, lowest federated ÷ pooled RankMe {low:.2f} ({emb}, round {worst['round']}); in the round with the "
+        f"lowest whole-probe ratio (round {lowest_whole['round']}) {lowest_whole.get('between_fraction', float('nan')):.0%} of the probe's variance lies between the "
+        f"embodiments' centroids (pooled {lowest_whole.get('pooled_between_fraction', float('nan')):.0%})")]
+
+
 def gauge_warning_lines(gauge: dict, collapse_drop_fraction: float | None) -> list[str]:
     """Collapse and drift checks with their thresholds; a WARNING marker on each that fails."""
     mark = lambda bad: "**WARNING**" if bad else "ok"  # noqa: E731
@@ -192,6 +208,7 @@ def gauge_warning_lines(gauge: dict, collapse_drop_fraction: float | None) -> li
     return [
         f"- {mark(tripped)} collapse tripwire {'TRIPPED' if tripped else 'quiet'}: lowest federated ÷ pooled effective "
         f"dimension (RankMe, same point of training) {gauge['effective_dim_vs_pooled_min']:.2f} ({threshold})",
+        *within_embodiment_lines(gauge),
         f"- {mark(frac < EFFECTIVE_DIM_WARN_FRACTION)} effective dimension: lowest {frac:.1%} of the {latent}-d latent "
         f"(RankMe {lowest['effective_dim']:.1f}, round {lowest['round']}), final {last['effective_dim']:.1f} "
         f"({last['effective_dim'] / latent:.0%}); warning under {EFFECTIVE_DIM_WARN_FRACTION:.0%} of the latent width",
@@ -399,6 +416,20 @@ def privacy_lines(federate: dict) -> list[str]:
             f"noise multiplier z = {d['noise_multiplier']:g}, clip norm S = {d['clip_norm']:g}); {clipped} of site updates clipped"]
 
 
+def _within_cell(row: dict) -> str:
+    w = row.get("within_vs_pooled")
+    if not w:
+        return "n/a"
+    emb = min(w, key=w.get)
+    return f"{w[emb]:.2f} ({emb})"
+
+
+def _between_cell(row: dict) -> str:
+    if "between_fraction" not in row or "pooled_between_fraction" not in row:
+        return "n/a"
+    return f"{row['between_fraction']:.0%} / {row['pooled_between_fraction']:.0%}"
+
+
 def render_markdown(figures: dict, budgets: list[dict], hw_class: str, hardware: str,
                     collapse_drop_fraction: float | None = None) -> str:
     """The report text: the verdict first, then every stage's figures; `collapse_drop_fraction` is the run's
@@ -425,9 +456,10 @@ def render_markdown(figures: dict, budgets: list[dict], hw_class: str, hardware:
         f"lowest over the run {g['effective_dim_fraction_min']:.1%} of the latent dimension; "
         f"federated ÷ pooled at the same point of training, lowest round: {g['effective_dim_vs_pooled_min']:.2f}; "
         f"collapse tripwire (against the pooled model) {'TRIPPED' if g['collapse_tripwire'] else 'quiet'}", "",
-        "| round | federated RankMe | pooled RankMe | ratio | drift ° |", "|---|---|---|---|---|",
+        "| round | federated RankMe | pooled RankMe | ratio | lowest ratio per embodiment | between-embodiment variance, federated / pooled | drift ° |",
+        "|---|---|---|---|---|---|---|",
         *(f"| {r['round']} | {r['effective_dim']:.2f} | {r['pooled_effective_dim']:.2f} | {r['effective_dim_vs_pooled']:.2f} | "
-          f"{r['drift_angle_deg_mean']:.2f} |" for r in g["per_round"]), "",
+          f"{_within_cell(r)} | {_between_cell(r)} | {r['drift_angle_deg_mean']:.2f} |" for r in g["per_round"]), "",
         *dynamics_lines(f, e), "",
         "## Closed-loop latent-MPC evaluation", "",
         "Every agent runs the same episodes (seeds, starts, goals). The oracle is the same CEM with the true simulator as its",

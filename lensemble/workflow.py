@@ -103,6 +103,15 @@ def probe_frames(layout: Layout, params: Params) -> torch.Tensor:
     return frames_to_tensor(np.concatenate(chunks))
 
 
+def probe_labels(layout: Layout, params: Params) -> list[str]:
+    """The embodiment of each `probe_frames` row, in the same order."""
+    labels: list[str] = []
+    for emb in embodiments(params):
+        eps = read_episodes(layout.probe(emb), params.data.image_size)
+        labels += [emb] * (eps.frames_ELHWC.shape[0] * len(range(0, eps.frames_ELHWC.shape[1], PROBE_STRIDE)))
+    return labels
+
+
 def eval_seeds(params: Params, embodiment: str) -> Sequence[int]:
     """Fixed evaluation episode seeds, disjoint in namespace from every data-generation seed."""
     return [derive_seed(params.run.seed, f"eval/{embodiment}", participant=str(i)) % (2**32) for i in range(params.evaluate.episodes)]

@@ -42,6 +42,7 @@ from lensemble.workflow import (
     action_dims,
     build_model,
     probe_frames,
+    probe_labels,
     site_names,
     warm_start,
 )
@@ -65,6 +66,7 @@ class Federation:
     run_id: str
     state_paths: dict[str, Path]
     ckpt_root: Path
+    probe_labels: list[str] = field(default_factory=list)  # the embodiment of each probe row (per-embodiment gauge)
 
     @property
     def sovereign(self) -> bool:
@@ -120,7 +122,7 @@ def open_federation(ctx) -> Federation:
     site_pool(p, warm=("orchestration.site_work",)).wait_ready()  # the sites' workers start now, not inside round 0 (or its timeouts)
     return Federation(p, ctx.layout, model, sites, spec, spec_numel(spec), probe_frames(ctx.layout, p),
                       aggregator_codec(p.federate.transport, p.federate.quant_block, pool.pins, p.federate.announce_outlier_factor),
-                      pool, run_id, state_paths, ctx.layout.root / "checkpoints")
+                      pool, run_id, state_paths, ctx.layout.root / "checkpoints", probe_labels(ctx.layout, p))
 
 
 def resume(fed: Federation) -> FederationState:
@@ -155,7 +157,8 @@ def federation_round(fed: Federation, r: int, state: FederationState, outer) -> 
     encode_probe_seconds = time.perf_counter() - t_gauge
     from tasks.federation import gauge_round
 
-    gauge = gauge_round(p.run.seed, r, {s: trained[s]["probe_embedding"] for s in res.members}, new_probe, p.gauge.pair_samples)
+    gauge = gauge_round(p.run.seed, r, {s: trained[s]["probe_embedding"] for s in res.members}, new_probe, p.gauge.pair_samples,
+                         fed.probe_labels)
     # the sites' own work on the round's critical path: their training as the workers ran it (with fewer workers
     # than sites, some trainings run one after another: compute, not orchestration), the slowest announcement
     # and encoding, the outer step and the gauge

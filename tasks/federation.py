@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -12,7 +12,7 @@ from prefect.cache_policies import NONE
 from lensemble.federation.outer import aggregate_and_step
 from lensemble.federation.rounds import AggregatorCodec
 from lensemble.federation.transport import RoundContext
-from lensemble.gauge import drift, effective_dim, sample_pairs
+from lensemble.gauge import drift, effective_dim, embodiment_spread, sample_pairs
 from lensemble.seeds import derive_seed
 
 
@@ -30,13 +30,18 @@ def aggregate_round(ctx: RoundContext, aggregator: AggregatorCodec, payloads: Ma
 
 
 @task(name="gauge-round", task_run_name="round-{round_idx:02d}-gauge", cache_policy=NONE)
-def gauge_round(run_seed: int, round_idx: int, site_probes: Mapping[str, torch.Tensor], global_probe: torch.Tensor, num_pairs: int) -> dict:
-    """Drift of sampled site pairs and the effective dimension of the new global model's probe embeddings."""
+def gauge_round(run_seed: int, round_idx: int, site_probes: Mapping[str, torch.Tensor], global_probe: torch.Tensor, num_pairs: int,
+                probe_labels: Sequence[str] = ()) -> dict:
+    """Drift of sampled site pairs and the effective dimension of the new global model's probe embeddings (and, given
+    each probe row's embodiment, per embodiment)."""
     t0 = time.perf_counter()
     sites = sorted(site_probes)
     rng = np.random.default_rng(derive_seed(run_seed, "gauge/pairs", round_idx))
     pairs = {f"{a}|{b}": drift(site_probes[a], site_probes[b]) for a, b in sample_pairs(sites, num_pairs, rng)}
-    return {"pairs": pairs, "effective_dim": effective_dim(global_probe), "seconds": time.perf_counter() - t0}
+    out = {"pairs": pairs, "effective_dim": effective_dim(global_probe)}
+    if probe_labels:
+        out["embodiments"] = embodiment_spread(global_probe, probe_labels)
+    return {**out, "seconds": time.perf_counter() - t0}
 
 
 @task(name="record-round", task_run_name="round-{outcome.round_idx:02d}-record", cache_policy=NONE)

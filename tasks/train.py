@@ -10,7 +10,12 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from lensemble.config import Params
-from lensemble.gauge import effective_dim, pool_tokens, pooled_checkpoints
+from lensemble.gauge import (
+    effective_dim,
+    embodiment_spread,
+    pool_tokens,
+    pooled_checkpoints,
+)
 from lensemble.observability.progress import Progress
 from lensemble.paths import Layout
 from lensemble.perf import component_latency
@@ -20,6 +25,7 @@ from lensemble.workflow import (
     load_site,
     place,
     probe_frames,
+    probe_labels,
     sampler_for,
     site_embodiment,
     site_names,
@@ -44,7 +50,7 @@ def train_centralized(params: Params, layout: Layout, model_path: Path,
     place(model, params)
     samplers = [(site_embodiment(params, s), sampler_for(load_site(layout, params, s), params)) for s in site_names(params)]
     opt = make_optimizer(model, params.train)
-    probe = probe_frames(layout, params)
+    probe, labels = probe_frames(layout, params), probe_labels(layout, params)
     marks = pooled_checkpoints(params)
     curve: list[dict] = []
     curve_seconds = 0.0
@@ -57,7 +63,8 @@ def train_centralized(params: Params, layout: Layout, model_path: Path,
             on_losses(step, losses)
         if step + 1 in marks:
             t = time.perf_counter()
-            curve.append({"step": step + 1, **effective_dim(pool_tokens(encode_frames(model, probe)))})
+            z = pool_tokens(encode_frames(model, probe))
+            curve.append({"step": step + 1, **effective_dim(z), **embodiment_spread(z, labels)})
             model.train()
             curve_seconds += time.perf_counter() - t
 

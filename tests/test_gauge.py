@@ -13,6 +13,7 @@ from lensemble.gauge import (
     collapse_tripwire,
     drift,
     effective_dim,
+    embodiment_spread,
     gauge_over_rounds,
     matched_pooled,
     procrustes,
@@ -149,3 +150,50 @@ def test_gauge_over_rounds_compares_with_the_pooled_curve_not_round_one():
     # an ablation with fewer rounds than the curve has marks reads the pooled point at the same fraction
     g = gauge_over_rounds(planted[:2], _pooled_curve([1.0, 2.0, 30.0, 3.0]), 0.5)
     assert [r["pooled_effective_dim"] for r in g.per_round] == [2.0, 3.0] and not g.collapse_tripwire
+
+
+def _planted_robots(gen: torch.Generator, collapse: str | None = None) -> tuple[torch.Tensor, list[str]]:
+    """Three robots, 400 probe frames each: isotropic 8-d spread (or rank 1 for `collapse`) about centroids 100 apart."""
+    zs, labels = [], []
+    for k, emb in enumerate(("point", "pusht", "reacher")):
+        z = torch.randn(400, 8, generator=gen, dtype=torch.float64)
+        if emb == collapse:
+            z = z[:, :1] * torch.ones(1, 8, dtype=torch.float64)
+        z[:, k] += 100.0
+        zs.append(z)
+        labels += [emb] * 400
+    return torch.cat(zs), labels
+
+
+def test_embodiment_spread_separates_robots_far_apart_from_a_collapsed_robot():
+    gen = torch.Generator().manual_seed(5)
+    z, labels = _planted_robots(gen)
+    s = embodiment_spread(z, labels)
+    # the whole probe reads the three centroids (2 directions after centring); every robot keeps its 8 dimensions
+    assert effective_dim(z)["rankme"] < 3.0
+    assert all(v == pytest.approx(8.0, rel=0.05) for v in s["by_embodiment"].values())
+    # between share: centroids 100·e_k sit 100·sqrt(2/3) from their mean, against a within variance of 8
+    assert s["between_fraction"] == pytest.approx(1 - 8 / (8 + 1e4 * 2 / 3), abs=2e-4)
+    assert all(v == pytest.approx(math.sqrt(8), rel=0.05) for v in s["within_rms"].values())
+    collapsed = embodiment_spread(*_planted_robots(gen, collapse="pusht"))
+    assert collapsed["by_embodiment"]["pusht"] == pytest.approx(1.0, abs=1e-3)
+    assert min(collapsed["by_embodiment"].values()) == collapsed["by_embodiment"]["pusht"]
+    with pytest.raises(ValueError, match="3 probe labels for 1200"):
+        embodiment_spread(z, labels[:3])
+
+
+def test_gauge_over_rounds_reads_each_embodiment_against_the_pooled_model():
+    def spread(by: dict, between: float) -> dict:
+        return {"by_embodiment": by, "within_rms": {e: 1.0 for e in by}, "between_fraction": between}
+
+    rounds = [_round(1, 2.0), _round(2, 6.0)]
+    rounds[0]["gauge"]["embodiments"] = spread({"a": 9.0, "b": 6.0}, 0.99)
+    rounds[1]["gauge"]["embodiments"] = spread({"a": 8.0, "b": 9.0}, 0.5)
+    pooled = [{**p, **spread(by, 0.4)} for p, by in zip(_pooled_curve([8.0, 8.0]), ({"a": 6.0, "b": 10.0}, {"a": 10.0, "b": 10.0}))]
+    g = gauge_over_rounds(rounds, pooled, 0.5)
+    assert g.per_round[0]["within_vs_pooled"] == {"a": 1.5, "b": 0.6}
+    assert g.per_round[1]["within_vs_pooled"] == {"a": 0.8, "b": 0.9}
+    assert (g.per_round[0]["between_fraction"], g.per_round[0]["pooled_between_fraction"]) == (0.99, 0.4)
+    assert g.within_vs_pooled_min == 0.6 and g.effective_dim_vs_pooled_min == 0.25 and g.collapse_tripwire
+    # records without per-embodiment figures (an older run) summarise as before
+    assert gauge_over_rounds([_round(1, 2.0)], _pooled_curve([8.0]), 0.5).within_vs_pooled_min is None

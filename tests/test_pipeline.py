@@ -84,6 +84,10 @@ def test_pipeline_end_to_end(prefect_server, project):
     ratios = [r["effective_dim"] / r["pooled_effective_dim"] for r in gauge["per_round"]]
     assert gauge["effective_dim_vs_pooled_min"] == pytest.approx(min(ratios))
     assert gauge["collapse_tripwire"] == any(x < 0.5 for x in ratios)
+    # and per embodiment: every round carries each robot's ratio, the summary the lowest of them
+    within = [v for r in gauge["per_round"] for v in r["within_vs_pooled"].values()]
+    assert len(within) == len(gauge["per_round"]) * len(gauge["per_round"][0]["effective_dim_by_embodiment"])
+    assert gauge["effective_dim_within_vs_pooled_min"] == pytest.approx(min(within))
     _check_tracking_for_users(project, client, parents[0], children, records)
     check_report_outputs(project)
 

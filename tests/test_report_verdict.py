@@ -132,6 +132,14 @@ def test_gauge_warnings_name_their_thresholds():
     assert collapse.startswith("- **WARNING** collapse tripwire TRIPPED") and "0.50 × pooled" in collapse
     assert dim.startswith("- **WARNING** effective dimension: lowest 3.8% of the 64-d latent") and "round 0" in dim
     assert drift.startswith("- ok frame drift") and "18.0°" in drift and "45°" in drift
+    # with per-embodiment figures the collapse check says whether a robot collapsed or the robots sit apart
+    rounds[0] |= {"effective_dim_vs_pooled": 0.16, "within_vs_pooled": {"point": 1.3, "pusht": 1.4}, "between_fraction": 0.99,
+                  "pooled_between_fraction": 0.5}
+    rounds[1] |= {"effective_dim_vs_pooled": 0.6, "within_vs_pooled": {"point": 0.7, "pusht": 0.9}, "between_fraction": 0.8,
+                  "pooled_between_fraction": 0.45}
+    collapse, within, dim, drift = gauge_warning_lines({**gauge, "effective_dim_within_vs_pooled_min": 0.7}, 0.5)
+    assert within == ("  - per embodiment, lowest federated ÷ pooled RankMe 0.70 (point, round 1); in the round with the lowest "
+                      "whole-probe ratio (round 0) 99% of the probe's variance lies between the embodiments' centroids (pooled 50%)")
 
 
 def test_drift_chance_level_is_the_mean_angle_of_a_random_rotation():
