@@ -1,6 +1,6 @@
 """Flow `ablation`: a small (H, λ_anc) grid as a Prefect map, with drift and success against communication.
 
-    lensemble ablate --inner-steps 25,100 --anchor-weight 0,0.1 [--parallel 1]
+    lensemble ablate --inner-steps 25,150 --anchor-weight 0,0.1 [--parallel 1]
 
 Needs the run's `prepare`, `residency` and `centralized` outputs. Each grid point is one mapped
 task run (`tasks.ablation.run_point`; the grid and a point's folder: orchestration/ablation.py) in `ablation/<tag>/`; the flow writes `reports/ablation.json`
@@ -23,7 +23,7 @@ from tasks.ablation import run_point
 
 
 @flow(name="ablation", **STAGE_RUN)
-def ablation_flow(root: str = ".", inner_steps: tuple[int, ...] = (25, 100), anchor_weights: tuple[float, ...] = (0.0, 0.1)) -> list[dict]:
+def ablation_flow(root: str = ".", inner_steps: tuple[int, ...] = (25, 150), anchor_weights: tuple[float, ...] = (0.0, 0.1)) -> list[dict]:
     with stage_run("ablation", root) as ctx:
         base = Path(root).resolve()
         raw = load_yaml(base / "params.yaml")

@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     budgets.add_argument("action", choices=("compare",))
     budgets.add_argument("--plot", default="reports/plots/budgets_compare.png", help="where to write the plot")
     ablate = sub.add_parser("ablate", help="the (H, anchor weight) ablation grid as a Prefect map")
-    ablate.add_argument("--inner-steps", default="25,100", help="comma-separated H values, each dividing rounds x H of params.yaml")
+    ablate.add_argument("--inner-steps", default="25,150", help="comma-separated H values, each dividing rounds x H of params.yaml")
     ablate.add_argument("--anchor-weight", default="0,0.1", help="comma-separated anchor weights")
     ablate.add_argument("--parallel", type=int, default=1, help="grid points run at once")
     join = sub.add_parser("join", help="a robot that took no part in the federation joins it (join.sites in params)")

@@ -23,6 +23,21 @@ def test_grid_keeps_total_inner_steps_and_refuses_what_cannot_run():
         grid(params, [3], [-0.1])
 
 
+def test_the_cli_default_grid_runs_on_the_default_params():
+    """`lensemble ablate` with no options on the shipped params.yaml: every default H divides rounds x H
+    (an H of 100 against the default 15 x 50 = 750 inner steps was refused before anything ran)."""
+    from pathlib import Path
+
+    from flows.cli import build_parser
+    from lensemble.config import load_params
+
+    args = build_parser().parse_args(["ablate"])
+    params = load_params(Path(__file__).resolve().parents[1] / "params.yaml")
+    points = grid(params, [int(h) for h in args.inner_steps.split(",")], [float(w) for w in args.anchor_weight.split(",")])
+    total = params.federate.rounds * params.federate.inner_steps
+    assert len(points) == 4 and all(p.rounds * p.inner_steps == total for p in points)
+
+
 def test_ablation_maps_points_and_plots_drift_and_success_against_bytes(prefect_server, project):
     from flows.ablation import ablation_flow
     from flows.centralized import centralized_flow
