@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lensemble.config import load_params
-from lensemble.errors import DataError
+from lensemble.errors import LensembleError
 from lensemble.gauge import effective_dim, embodiment_spread, pool_tokens
 from lensemble.paths import Layout
 from lensemble.training import encode_frames, make_optimizer, train_steps
@@ -63,8 +63,8 @@ def main() -> None:
         layout = Layout(args.root)
         probe, labels = probe_frames(layout, params), probe_labels(layout, params)
         samplers = [(e, sampler_for(load_probe_episodes(layout, params, e), params)) for e in embodiments(params)]
-    except (DataError, FileNotFoundError) as exc:
-        sys.exit(f"{args.root}: {exc} (run `dvc repro prepare` first)")
+    except LensembleError as exc:
+        sys.exit(f"{exc} (give a project root whose `dvc repro prepare` has run)")
     model = build_model(params, "centralized")
     print(spread_line("random init", model, probe, labels))
     t0 = time.perf_counter()
