@@ -35,8 +35,7 @@ from lensemble.workflow import (
     build_model,
     embodiments,
     load_probe_episodes,
-    probe_frames,
-    probe_labels,
+    probe_frames_labelled,
     sampler_for,
 )
 
@@ -61,7 +60,7 @@ def main() -> None:
     try:
         params = load_params(args.root / "params.yaml")
         layout = Layout(args.root)
-        probe, labels = probe_frames(layout, params), probe_labels(layout, params)
+        probe, labels = probe_frames_labelled(layout, params)
         samplers = [(e, sampler_for(load_probe_episodes(layout, params, e), params)) for e in embodiments(params)]
     except LensembleError as exc:
         sys.exit(f"{exc} (give a project root whose `dvc repro prepare` has run)")

@@ -96,20 +96,17 @@ def load_probe_episodes(layout: Layout, params: Params, embodiment: str) -> Epis
 
 def probe_frames(layout: Layout, params: Params) -> torch.Tensor:
     """The public probe P as normalised frames [P, 3, H, W] (every PROBE_STRIDE-th frame)."""
-    chunks = []
+    return probe_frames_labelled(layout, params)[0]
+
+
+def probe_frames_labelled(layout: Layout, params: Params) -> tuple[torch.Tensor, list[str]]:
+    """`probe_frames` and the embodiment of each of its rows (the per-embodiment gauge reads both), from one read."""
+    chunks, labels = [], []
     for emb in embodiments(params):
         eps = read_episodes(layout.probe(emb), params.data.image_size)
         chunks.append(eps.frames_ELHWC[:, ::PROBE_STRIDE].reshape(-1, *eps.frames_ELHWC.shape[2:]))
-    return frames_to_tensor(np.concatenate(chunks))
-
-
-def probe_labels(layout: Layout, params: Params) -> list[str]:
-    """The embodiment of each `probe_frames` row, in the same order."""
-    labels: list[str] = []
-    for emb in embodiments(params):
-        eps = read_episodes(layout.probe(emb), params.data.image_size)
-        labels += [emb] * (eps.frames_ELHWC.shape[0] * len(range(0, eps.frames_ELHWC.shape[1], PROBE_STRIDE)))
-    return labels
+        labels += [emb] * len(chunks[-1])
+    return frames_to_tensor(np.concatenate(chunks)), labels
 
 
 def eval_seeds(params: Params, embodiment: str) -> Sequence[int]:

@@ -41,8 +41,7 @@ from lensemble.training import encode_frames
 from lensemble.workflow import (
     action_dims,
     build_model,
-    probe_frames,
-    probe_labels,
+    probe_frames_labelled,
     site_names,
     warm_start,
 )
@@ -120,9 +119,10 @@ def open_federation(ctx) -> Federation:
     delta_paths = {s: ctx.out.path(f"models/sites/{s}.delta.pt") for s in sites}
     pool = make_sites(p, ctx.layout, spec, run_id, state_paths, delta_paths, exchange)
     site_pool(p, warm=("orchestration.site_work",)).wait_ready()  # the sites' workers start now, not inside round 0 (or its timeouts)
-    return Federation(p, ctx.layout, model, sites, spec, spec_numel(spec), probe_frames(ctx.layout, p),
+    probe, labels = probe_frames_labelled(ctx.layout, p)
+    return Federation(p, ctx.layout, model, sites, spec, spec_numel(spec), probe,
                       aggregator_codec(p.federate.transport, p.federate.quant_block, pool.pins, p.federate.announce_outlier_factor),
-                      pool, run_id, state_paths, ctx.layout.root / "checkpoints", probe_labels(ctx.layout, p))
+                      pool, run_id, state_paths, ctx.layout.root / "checkpoints", labels)
 
 
 def resume(fed: Federation) -> FederationState:

@@ -24,8 +24,7 @@ from lensemble.workflow import (
     build_model,
     load_site,
     place,
-    probe_frames,
-    probe_labels,
+    probe_frames_labelled,
     sampler_for,
     site_embodiment,
     site_names,
@@ -50,7 +49,7 @@ def train_centralized(params: Params, layout: Layout, model_path: Path,
     place(model, params)
     samplers = [(site_embodiment(params, s), sampler_for(load_site(layout, params, s), params)) for s in site_names(params)]
     opt = make_optimizer(model, params.train)
-    probe, labels = probe_frames(layout, params), probe_labels(layout, params)
+    probe, labels = probe_frames_labelled(layout, params)
     marks = pooled_checkpoints(params)
     curve: list[dict] = []
     curve_seconds = 0.0
