@@ -115,6 +115,70 @@ def test_prediction_loss_closed_form_reads_only_the_embodiment_proprio():
     assert torch.allclose(prop_k, prop0 + (rq[..., :valid] - q[:, 3:, :valid]).square().mean(), atol=1e-6)
 
 
+def _two_pass_prediction_loss(g, z, q, a, k: int, valid: int):
+    """The loss as first written: teacher forcing, then a rollout that runs its own pass over the context."""
+    tf_z, tf_q = g(z[:, :-1], q[:, :-1], a[:, :-1])
+    C = z.shape[1] - k
+    rz, rq = rollout(g, z[:, :C], q[:, :C], a[:, :-1])
+    lat = (tf_z - z[:, 1:]).square().mean() + (rz - z[:, C:]).square().mean()
+    prop = (tf_q[..., :valid] - q[:, 1:, :valid]).square().mean() + (rq[..., :valid] - q[:, C:, :valid]).square().mean()
+    return lat, prop
+
+
+@pytest.mark.parametrize("adapted", [False, True])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_the_shared_pass_loss_and_its_gradient_equal_the_two_pass_reference(adapted: bool, k: int):
+    """prediction_loss reuses the teacher-forced pass as the rollout's context pass: same loss, same gradient
+    for every parameter (the predictor's and the adapter's), same gradient into the embeddings."""
+    valid = 4
+    grads = []
+    for fn in (lambda g, z, q, a: prediction_loss(g, z, q, a, rollout_steps=k, proprio_valid=valid),
+               lambda g, z, q, a: _two_pass_prediction_loss(g, z, q, a, k, valid)):
+        g = AdaptedPredictor(_predictor(), _adapter(valid, trained=True)) if adapted else _predictor()
+        z, q, a = _inputs(21, B=3, T=6)
+        q[..., valid:] = 0.0
+        z.requires_grad_(True)
+        lat, prop = fn(g, z, q, a)
+        (lat + 0.5 * prop).backward()
+        grads.append((lat.detach(), prop.detach(), z.grad, {n: p.grad for n, p in g.named_parameters()}))
+    (lat_s, prop_s, gz_s, gp_s), (lat_r, prop_r, gz_r, gp_r) = grads
+    assert torch.allclose(lat_s, lat_r, rtol=1e-5) and torch.allclose(prop_s, prop_r, rtol=1e-5)
+    def close(x: torch.Tensor, ref: torch.Tensor) -> bool:  # float rounding only: within 1e-5 of the gradient's scale
+        return float((x - ref).abs().max()) <= 1e-5 * float(ref.abs().max()) + 1e-8
+
+    assert close(gz_s, gz_r)
+    assert gp_s.keys() == gp_r.keys()
+    for name in gp_r:
+        assert close(gp_s[name], gp_r[name]), name
+
+
+@torch.no_grad()
+def test_a_cache_prefix_is_the_cache_of_a_pass_over_the_prefix_alone():
+    g = _predictor()
+    z, q, a = _inputs(22, T=5)
+    _, _, full = g(z, q, a, return_cache=True)
+    _, _, alone = g(z[:, :3], q[:, :3], a[:, :3], return_cache=True)
+    pre = full.prefix(3)
+    assert pre.steps == 3 and len(pre.kv) == len(alone.kv)
+    for (k1, v1), (k2, v2) in zip(pre.kv, alone.kv):
+        assert k1.shape == k2.shape and torch.allclose(k1, k2, atol=1e-6) and torch.allclose(v1, v2, atol=1e-6)
+    for bad in (0, 6):
+        with pytest.raises(ValueError, match="prefix"):
+            full.prefix(bad)
+
+
+def test_patch_embedding_is_the_strided_convolution_and_keeps_its_state_dict():
+    from lensemble.model.vit import ViTEncoder, vit_config
+    torch.manual_seed(3)
+    enc = ViTEncoder(vit_config("micro"), image_size=64, patch_size=16)
+    x = torch.randn(5, 3, 64, 64)
+    ref = torch.nn.functional.conv2d(x, enc.patch.weight, enc.patch.bias, stride=16).flatten(2).transpose(1, 2)
+    out = enc.patch(x)
+    assert out.shape == (5, 16, 64)
+    assert torch.allclose(out, ref, atol=1e-5)
+    assert enc.state_dict()["patch.weight"].shape == (64, 3, 16, 16) and "patch.bias" in enc.state_dict()
+
+
 def test_centered_tokens_remove_the_shared_layout():
     gen = torch.Generator().manual_seed(8)
     layout = torch.randn(1, 1, 4, 16, generator=gen) * 10.0  # what every frame shares at each position

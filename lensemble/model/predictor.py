@@ -138,6 +138,14 @@ class KVCache:
     def __init__(self, kv: list[tuple[torch.Tensor, torch.Tensor]], steps: int) -> None:
         self.kv, self.steps = kv, steps
 
+    def prefix(self, steps: int) -> KVCache:
+        """The cache of the first `steps` steps: a block-causal pass's keys and values at a step depend only on
+        the steps up to it, so this is the cache a pass over those steps alone would have left."""
+        if not 0 < steps <= self.steps:
+            raise ValueError(f"a prefix of {steps} steps of a cache of {self.steps}")
+        tokens = self.kv[0][0].shape[2] // self.steps * steps
+        return KVCache([(k[:, :, :tokens], v[:, :, :tokens]) for k, v in self.kv], steps)
+
 
 def rollout(predictor: Predictor | AdaptedPredictor, z_BCND: torch.Tensor, q_BCQ: torch.Tensor, act_BTA: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Autoregressive rollout from a context of C observations under T = C − 1 + H embedded actions
@@ -151,9 +159,16 @@ def rollout(predictor: Predictor | AdaptedPredictor, z_BCND: torch.Tensor, q_BCQ
     if H < 1:
         raise ValueError(f"a rollout from {C} context steps needs at least {C} actions, got {act_BTA.shape[1]}")
     z_all, q_all, cache = predictor(z_BCND, q_BCQ, act_BTA[:, :C], return_cache=True)
-    zs, qs = [z_all[:, -1]], [q_all[:, -1]]
-    for h in range(1, H):
-        z_next, q_next, cache = predictor(zs[-1][:, None], qs[-1][:, None], act_BTA[:, C + h - 1 : C + h], cache, return_cache=True)
+    return continue_rollout(predictor, z_all[:, -1], q_all[:, -1], cache, act_BTA[:, C:])
+
+
+def continue_rollout(predictor: Predictor | AdaptedPredictor, z_BND: torch.Tensor, q_BQ: torch.Tensor, cache: KVCache,
+                     act_BHA: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rollout from its first prediction (ẑ [B, N, D], q̂ [B, Q], made from the steps in `cache`): one cached step
+    per further action (H − 1 of them). Returns (ẑ [B, H, N, D], q̂ [B, H, Q]), the first prediction included."""
+    zs, qs = [z_BND], [q_BQ]
+    for h in range(act_BHA.shape[1]):
+        z_next, q_next, cache = predictor(zs[-1][:, None], qs[-1][:, None], act_BHA[:, h : h + 1], cache, return_cache=True)
         zs.append(z_next[:, 0])
         qs.append(q_next[:, 0])
     return torch.stack(zs, dim=1), torch.stack(qs, dim=1)

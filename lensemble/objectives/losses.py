@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from lensemble.model.predictor import ActionHead, AdaptedPredictor, Predictor, rollout
+from lensemble.model.predictor import ActionHead, AdaptedPredictor, Predictor, continue_rollout
 from lensemble.model.vit import ViTEncoder
 from lensemble.objectives.sigreg import sigreg
 
@@ -29,15 +29,21 @@ def prediction_loss(predictor: Predictor | AdaptedPredictor, z_BTND: torch.Tenso
                     proprio_valid: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(latent, proprio) prediction MSE: teacher-forced ẑ_{t+1}, q̂_{t+1} for every t, plus an autoregressive
     rollout of the window's last k = `rollout_steps` steps from the T - k before them (the context a
-    planner gives it). The proprio error reads the embodiment's first `proprio_valid` components only."""
-    z_pred, q_pred = predictor(z_BTND[:, :-1], q_BTQ[:, :-1], act_BTA[:, :-1])  # [B, T-1, N, D], [B, T-1, Q]
-    lat = F.mse_loss(z_pred.float(), z_BTND[:, 1:].float())  # fp32 whatever the autocast (DESIGN.md: fp32 statistics)
-    prop = F.mse_loss(q_pred[..., :proprio_valid].float(), q_BTQ[:, 1:, :proprio_valid].float())
+    planner gives it). The proprio error reads the embodiment's first `proprio_valid` components only.
+
+    The rollout does not run its own pass over the context: under the block-causal mask the teacher-forced
+    pass's outputs and keys/values at the first C = T − k steps are those of a pass over them alone, so the
+    rollout starts from the teacher-forced ẑ_C and that pass's cache (`rollout` gives the same numbers, up to
+    float rounding; the predictor then runs T − 1 + k − 1 time steps a batch instead of T − 1 + T − 1)."""
     T = z_BTND.shape[1]
     k = min(rollout_steps, T - 1)
+    z_pred, q_pred, cache = predictor(z_BTND[:, :-1], q_BTQ[:, :-1], act_BTA[:, :-1], return_cache=True)  # [B, T-1, N, D], [B, T-1, Q]
+    lat = F.mse_loss(z_pred.float(), z_BTND[:, 1:].float())  # fp32 whatever the autocast (DESIGN.md: fp32 statistics)
+    prop = F.mse_loss(q_pred[..., :proprio_valid].float(), q_BTQ[:, 1:, :proprio_valid].float())
     if k > 0:
         C = T - k
-        z_roll, q_roll = rollout(predictor, z_BTND[:, :C], q_BTQ[:, :C], act_BTA[:, : T - 1])  # [B, k, N, D], [B, k, Q]
+        z_roll, q_roll = continue_rollout(predictor, z_pred[:, C - 1], q_pred[:, C - 1], cache.prefix(C),
+                                          act_BTA[:, C : T - 1])  # [B, k, N, D], [B, k, Q]
         lat = lat + F.mse_loss(z_roll.float(), z_BTND[:, C:].float())
         prop = prop + F.mse_loss(q_roll[..., :proprio_valid].float(), q_BTQ[:, C:, :proprio_valid].float())
     return lat, prop
