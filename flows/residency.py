@@ -1,9 +1,9 @@
 """Stage `residency`: audit what may leave each site before any training starts.
 
 Checks every site's data manifest through the residency guard (counts and hashes only), and scans
-the exchange area, `reports/` and the MLflow store for any site's private rows (whole frames,
-action and proprioception value pairs; see `lensemble.data.audit`); a finding fails the stage with
-ResidencyViolation naming the files.
+the exchange area, `reports/`, the MLflow store and the Prefect database for every site's private rows
+(whole frames, action and proprioception value pairs; see `lensemble.data.audit`) in one pass that reads
+each file once; a finding fails the stage with ResidencyViolation naming the file and the site.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from prefect import flow
 from flows.runs import STAGE_RUN
 from lensemble.workflow import site_names
 from orchestration.runner import stage_run
-from tasks.residency import audit_site
+from tasks.residency import audit_site, scan_outputs
 
 
 @flow(name="residency", **STAGE_RUN)
@@ -21,4 +21,5 @@ def residency_flow(root: str = ".") -> None:
         sites = site_names(ctx.params)
         futures = [audit_site.submit(ctx.params, ctx.layout, s, ctx.data_manifests.get(s, {})) for s in sites]
         results = [f.result() for f in futures]
-        ctx.out.write_json("reports/residency.json", {"sites": results, "status": "clean"})
+        scan_outputs(ctx.params, ctx.layout)  # ResidencyViolation naming the file and the site on any hit
+        ctx.out.write_json("reports/residency.json", {"sites": [{**r, "leaks": 0} for r in results], "status": "clean"})

@@ -14,7 +14,6 @@ from lensemble.data.audit import (
     index_path,
     load_index,
     scan_blobs,
-    scan_paths,
     scan_paths_many,
 )
 from lensemble.data.residency import ResidencyGuard
@@ -33,14 +32,21 @@ def output_targets(layout) -> list:
 
 @task(name="audit-site", task_run_name="audit-{site}", cache_policy=NONE)
 def audit_site(params, layout, site: str, manifest: dict) -> dict:
-    """Guard the site's manifest and scan the shared areas for its private rows."""
+    """Guard the site's manifest (counts and hashes only) and fingerprint its private rows."""
     index = load_index(layout.site_episodes(site), load_site(layout, params, site))
     guard = ResidencyGuard(site, None, layout.site_audit(site), private=index)
     guard.release("manifest", manifest)
-    leaks = scan_paths(output_targets(layout), index)
-    if leaks:
-        raise ResidencyViolation(f"site {site!r}: private rows found in {sorted(leaks)[:3]}")
-    return {"site": site, "fingerprints": len(index), "index_sha256": index.digest(), "leaks": 0}
+    return {"site": site, "fingerprints": len(index), "index_sha256": index.digest()}
+
+
+@task(name="scan-outputs", cache_policy=NONE)
+def scan_outputs(params, layout) -> int:
+    """The shared areas scanned once for every site's private rows (`check_outputs`).
+
+    One pass reads and parses each file once for all sites: a scan per site read the Prefect database and
+    the MLflow store once per site, and both grow with every run (in a workspace after ~30 runs: 23 s a
+    site, 26 s for all three together)."""
+    return check_outputs(params, layout)
 
 
 def site_indexes(params, layout) -> dict[str, PrivateIndex]:

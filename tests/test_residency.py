@@ -307,3 +307,23 @@ def test_nothing_private_leaves_in_a_full_pipeline_run(prefect_server, project):
     assert set(found) == {str(report), str(project / "reports" / "plots" / "sample.png"), str(project / "exchange" / "blob.bin")}
     assert found[str(report)]["values"] >= 1 and found[str(project / "reports" / "plots" / "sample.png")]["frames"] == 1
     assert scan_paths(targets, indexes["site_a"]) == {}
+
+
+def test_the_residency_stage_scans_for_every_site_in_one_pass_and_names_a_planted_leak(prefect_server, project):
+    """The stage's one shared scan still finds a site's private action row planted in reports/, names the
+    file and the site, and leaves the last clean report as it was."""
+    from flows.prepare import prepare_flow
+    from flows.residency import residency_flow
+
+    prepare_flow(root=str(project))
+    residency_flow(root=str(project))
+    clean = project / "reports" / "residency.json"
+    report = json.loads(clean.read_text())
+    assert report["status"] == "clean" and [s["site"] for s in report["sites"]] == ["site_a", "site_b"]
+    assert all(s["leaks"] == 0 and s["fingerprints"] > 0 for s in report["sites"])
+    before = clean.read_bytes()
+    eps = read_episodes(project / "data" / "sites" / "site_b" / "episodes.parquet", 16)
+    (project / "reports" / "notes.json").write_text(json.dumps({"debug": eps.actions_ELK[1, 4].tolist()}))
+    with pytest.raises(ResidencyViolation, match=r"notes\.json \(site_b\)"):
+        residency_flow(root=str(project))
+    assert clean.read_bytes() == before
