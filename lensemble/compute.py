@@ -278,11 +278,12 @@ def sigreg_activation_bytes(s: StepShape) -> int:
 
 def activation_bytes(s: StepShape) -> dict[str, int]:
     """Saved-for-backward bytes of one step, by term (shape formula; see the functions above)."""
-    # the rollout term: one pass over the T − k context steps, then k − 1 cached steps
+    # the rollout term: k − 1 cached steps (its context pass is the teacher-forced pass, `prediction_loss`)
     context = s.frames - s.rollout
     rollout = 0
-    if s.rollout:
-        rollout = predictor_activation_bytes(s, context) + sum(cached_step_activation_bytes(s, context + j) for j in range(1, s.rollout))
+    if s.rollout:  # + the k stacked predictions the rollout MSE saves (fp32)
+        rollout = sum(cached_step_activation_bytes(s, context + j) for j in range(1, s.rollout))
+        rollout += s.batch * s.rollout * (s.tokens * s.width + s.proprio) * FP32
     terms = {
         "encoder": encoder_activation_bytes(s, s.batch * s.frames),
         "predictor": predictor_activation_bytes(s, s.frames - 1) + rollout,
