@@ -149,10 +149,10 @@ def test_activation_formula_matches_saved_tensors_measured(encoder, precision, r
     held = (inputs.frames_BTCHW, inputs.actions_BTK, inputs.proprio_BTQ, inputs.directions_DM, inputs.probe_PCHW, inputs.global_probe_PND)
     with compute.saved_tensor_bytes(model, held) as measured, autocast_context(precision):
         compute.step_loss(model, params, inputs, emb)
-    # 1% in fp32; bf16 is 1.4% under since the rollout reuses the teacher-forced pass (an unmodelled bf16 save, open)
-    assert compute.activation_bytes(shape)["total"] == pytest.approx(measured["activations"], rel=0.01 if precision == "fp32" else 0.02)
+    assert compute.activation_bytes(shape)["total"] == pytest.approx(measured["activations"], rel=0.01)
     n_params = compute.param_counts(model)["total"]
-    assert measured["working_copy"] == pytest.approx(2 * n_params if precision == "bf16" else 0, rel=0.01)
+    # the patch weight's bf16 cast is of a view (`PatchEmbed` flattens it), so the hook counts it as an activation: 1.4% here
+    assert measured["working_copy"] == pytest.approx(2 * n_params if precision == "bf16" else 0, rel=0.02)
 
 
 def test_compute_summary_is_plain_json():
