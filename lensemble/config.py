@@ -161,6 +161,9 @@ class TrainParams(Section):
     lr: float = Field(1e-3, gt=0.0, le=1.0, description="Inner AdamW learning rate.")
     weight_decay: float = Field(0.01, ge=0.0, description="Inner AdamW weight decay.")
     precision: Literal["fp32", "bf16"] = Field("fp32", description="Forward dtype (autocast).")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Inner learning rate over a model's whole training: constant, or linear warm-up then cosine decay to lr_final_fraction x lr (pooled: over centralized.steps; federated and local-only: over rounds x H, each round continuing where the last left off).")
+    warmup_steps: int = Field(0, ge=0, description="cosine: linear warm-up steps from lr / warmup_steps to lr.")
+    lr_final_fraction: float = Field(0.1, ge=0.0, le=1.0, description="cosine: the learning rate at the last step, as a fraction of lr.")
 
 
 class CentralizedParams(Section):
@@ -349,6 +352,11 @@ class Params(Section):
         if cem.context + cem.horizon > self.data.num_steps:
             raise ValueError(f"evaluate.cem.context ({cem.context}) + evaluate.cem.horizon ({cem.horizon}) exceeds data.num_steps "
                              f"({self.data.num_steps}), the time positions the predictor is trained on; shorten the plan or train longer Windows")
+        if self.train.lr_schedule == "cosine":
+            shortest = min(self.centralized.steps, self.federate.rounds * self.federate.inner_steps)
+            if self.train.warmup_steps >= shortest:
+                raise ValueError(f"train.warmup_steps ({self.train.warmup_steps}) must be fewer than the shortest schedule ({shortest} steps: "
+                                 "centralized.steps, federate.rounds x federate.inner_steps)")
         if self.objective.rollout_steps >= self.data.num_steps:
             raise ValueError(f"objective.rollout_steps ({self.objective.rollout_steps}) must be < data.num_steps ({self.data.num_steps})")
         used = {s.embodiment for s in self.data.sites}

@@ -5,6 +5,7 @@ SIGReg directions keyed by (run seed, round, step) so every site and every rerun
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -77,6 +78,24 @@ class StepDraws:
         return embodiment, sampler, frames, actions, proprio, directions, sig_index, probe, global_probe
 
 
+def scheduled_lr(train: TrainParams, step: int, total: int | None) -> float:
+    """The inner learning rate at step `step` (0-based) of a `total`-step training; `total` None: `train.lr`.
+
+    cosine: linear warm-up over `warmup_steps` to lr, then half a cosine from lr at the end of warm-up
+    to `lr_final_fraction` x lr at the last step (step total - 1).
+    """
+    if train.lr_schedule == "constant" or total is None:
+        return train.lr
+    if not 0 <= step < total:
+        raise ValueError(f"scheduled step {step} outside the {total}-step schedule")
+    if step < train.warmup_steps:
+        return train.lr * (step + 1) / train.warmup_steps
+    span = total - 1 - train.warmup_steps
+    progress = (step - train.warmup_steps) / span if span > 0 else 1.0
+    final = train.lr_final_fraction
+    return train.lr * (final + (1.0 - final) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
 def train_steps(
     model: WorldModel,
     optimizer: torch.optim.Optimizer,
@@ -91,8 +110,15 @@ def train_steps(
     probe_PCHW: torch.Tensor | None = None,
     global_probe_PND: torch.Tensor | None = None,
     on_step: Callable[[int, Mapping[str, float]], None] | None = None,
+    schedule: tuple[int, int] | None = None,
 ) -> StepLog:
-    """`steps` AdamW steps; step i trains on samplers[i % len(samplers)] (round-robin pooling)."""
+    """`steps` AdamW steps; step i trains on samplers[i % len(samplers)] (round-robin pooling).
+
+    `schedule` (offset, total): these steps are steps offset .. offset + steps - 1 of a `total`-step
+    training, and take `scheduled_lr`'s rate there; None: every step at the optimizer's own rate (a head re-fit).
+    """
+    if schedule is not None and schedule[0] + steps > schedule[1]:
+        raise ValueError(f"steps {schedule[0]}..{schedule[0] + steps - 1} run past the {schedule[1]}-step schedule")
     model.train()
     log = StepLog()
     draws = StepDraws(run_seed, round_idx, data_key)
@@ -110,6 +136,10 @@ def train_steps(
                 num_knots=objective.num_knots, t_max=objective.t_max, rollout_steps=objective.rollout_steps, sigreg_on=objective.sigreg_on,
                 probe_PCHW=probe, global_probe_PND=global_probe,
             )
+        if schedule is not None:
+            lr = scheduled_lr(train, schedule[0] + step, schedule[1])
+            for group in optimizer.param_groups:
+                group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
         with record_function("backward"):
             terms.total.backward()

@@ -47,7 +47,8 @@ def local_only_body(params: Params, layout: Layout, site: str, model_path: Path)
     steps = params.federate.rounds * params.federate.inner_steps
     progress = Progress(f"{site} local-only", steps)
     log = train_steps(model, opt, [(site_embodiment(params, site), sampler)], steps, train=params.train, objective=params.objective,
-                      run_seed=params.run.seed, round_idx=-2, data_key=site, on_step=partial(loss_progress, progress))
+                      run_seed=params.run.seed, round_idx=-2, data_key=site, on_step=partial(loss_progress, progress),
+                      schedule=(0, steps))
     torch.save(model.state_dict(), model_path)
     return {"steps": steps, **log.mean()}
 
@@ -80,7 +81,8 @@ def site_train_body(params: Params, layout: Layout, site: str, round_idx: int, g
     t0 = time.perf_counter()
     log = train_steps(model, opt, [(embodiment, sampler)], params.federate.inner_steps, train=params.train, objective=params.objective,
                       run_seed=params.run.seed, round_idx=round_idx, data_key=site, probe_PCHW=probe,
-                      global_probe_PND=global_probe, on_step=partial(loss_progress, progress))
+                      global_probe_PND=global_probe, on_step=partial(loss_progress, progress),
+                      schedule=(round_idx * params.federate.inner_steps, params.federate.rounds * params.federate.inner_steps))
     train_seconds = time.perf_counter() - t0
     local = federated_state(model)
     delta = {n: local[n] - global_state[n] for n in sorted(global_state)}

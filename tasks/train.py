@@ -69,7 +69,8 @@ def train_centralized(params: Params, layout: Layout, model_path: Path,
 
     t0 = time.perf_counter()
     log = train_steps(model, opt, samplers, params.centralized.steps, train=params.train, objective=params.objective,
-                      run_seed=params.run.seed, round_idx=-1, data_key="pooled", on_step=record)
+                      run_seed=params.run.seed, round_idx=-1, data_key="pooled", on_step=record,
+                      schedule=(0, params.centralized.steps))
     seconds = time.perf_counter() - t0 - curve_seconds
     torch.save(model.state_dict(), model_path)
     latency = component_latency(model, params, seconds / params.centralized.steps)
