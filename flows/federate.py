@@ -5,8 +5,9 @@ then `lensemble.federation.rounds.run_round` runs the exchange and the outer ste
 survivors when a site fails or sends an update that does not verify, then the gauge), the record
 task (metrics, Prefect artifacts) and the checkpoint commit, so a crash loses at most the round in
 flight. Sites run as local tasks (threads or Dask) or, with `federate.execution: sovereign`, at the
-sites behind the exchange (orchestration/sites.py). After the last round: the sites' head re-fit
-and the local-only baselines, then reports/federate.json; once the stage is committed, a leak scan of
+sites behind the exchange (orchestration/sites.py). The local-only baselines start with the rounds, in
+lowest-priority workers that train on the CPU time the rounds leave idle (`orchestration.workers.background_pool`).
+After the last round: the sites' head re-fit and the baselines' results, then reports/federate.json; once the stage is committed, a leak scan of
 reports/, the MLflow store and the exchange area against every site's private index
 (`tasks.residency.check_outputs`).
 """
@@ -24,8 +25,19 @@ from tqdm import tqdm
 
 from flows.runs import STAGE_RUN
 from lensemble.perf import peak_memory_gib
-from orchestration.federation import baselines, commit_round, federation_round, open_federation, outer_step, remove_checkpoint, resume, summarize
+from orchestration.federation import (
+    baselines,
+    commit_round,
+    federation_round,
+    open_federation,
+    outer_step,
+    remove_checkpoint,
+    resume,
+    start_local_only,
+    summarize,
+)
 from orchestration.runner import stage_run
+from orchestration.workers import terminate_background_pools
 from tasks.federation import record_round
 from tasks.preflight import preflight
 from tasks.residency import check_outputs
@@ -42,7 +54,7 @@ def task_runner_for(p):
             return DaskTaskRunner(address=p.federate.dask_address)
         return DaskTaskRunner(cluster_kwargs={"n_workers": p.federate.dask_workers, "threads_per_worker": 1, "processes": True,
                                               "dashboard_address": None, "silence_logs": logging.WARNING})
-    return ThreadPoolTaskRunner(max_workers=len(p.data.sites) + 4)
+    return ThreadPoolTaskRunner(max_workers=2 * len(p.data.sites) + 4)  # the sites' round steps and their local-only baselines
 
 
 def round_line(record: dict, rounds: int, eta_seconds: float) -> str:
@@ -73,15 +85,20 @@ def federate_flow(root: str = ".") -> None:
         state = resume(fed)
         ctx.extra_manifest["resumed_from_round"] = state.start
         outer = outer_step(p)
+        local_futures = start_local_only(ctx, fed)  # beside the rounds, on the CPU time they leave idle
         t0 = time.monotonic()
-        for r in tqdm(range(state.start, p.federate.rounds), desc="federate rounds", unit="round", disable=not sys.stderr.isatty()):
-            outcome = federation_round(fed, r, state, outer)
-            record = record_round(ctx, fed, outcome)
-            commit_round(fed, state, outcome, record)
-            per_round = (time.monotonic() - t0) / (r + 1 - state.start)
-            log.info(round_line(record, p.federate.rounds, per_round * (p.federate.rounds - r - 1)))
-        torch.save(state.global_state, ctx.out.path("models/federated.pt"))
-        head_adapt, local_only = baselines(ctx, fed, state.global_state)
+        try:
+            for r in tqdm(range(state.start, p.federate.rounds), desc="federate rounds", unit="round", disable=not sys.stderr.isatty()):
+                outcome = federation_round(fed, r, state, outer)
+                record = record_round(ctx, fed, outcome)
+                commit_round(fed, state, outcome, record)
+                per_round = (time.monotonic() - t0) / (r + 1 - state.start)
+                log.info(round_line(record, p.federate.rounds, per_round * (p.federate.rounds - r - 1)))
+            torch.save(state.global_state, ctx.out.path("models/federated.pt"))
+            head_adapt, local_only = baselines(ctx, fed, state.global_state, local_futures)
+        except BaseException:
+            terminate_background_pools()  # a failed stage does not wait for its baselines
+            raise
         summary = summarize(ctx, fed, state, head_adapt, local_only)
         ctx.measured["perf/peak_memory_gib"] = peak_memory_gib()
         fed.pool.finish()

@@ -46,7 +46,7 @@ from lensemble.workflow import (
     warm_start,
 )
 from orchestration.sites import check_sovereign, make_sites, site_task_options
-from orchestration.workers import makespan, site_pool, site_slots
+from orchestration.workers import background_pool, makespan, site_pool, site_slots
 
 
 @dataclass
@@ -189,8 +189,22 @@ def outer_step(p):
     return partial(aggregate_round, lr=p.federate.outer_lr, beta=p.federate.outer_momentum)
 
 
-def baselines(ctx, fed: Federation, global_state: dict) -> tuple[dict, dict]:
-    """After the last round, at every site: the head re-fit to the final model, and the local-only baseline."""
+def start_local_only(ctx, fed: Federation) -> dict | None:
+    """The local-only baselines submitted now, to the lowest-priority workers (`background_pool`), so they train on
+    the CPU time the rounds leave idle; their futures by site. None where they run after the rounds instead
+    (sovereign sites, Dask, one worker, a GPU) or not at all. The models are the same bits either way."""
+    from tasks.train import train_local_only
+
+    p = fed.p
+    if not p.federate.local_only or fed.sovereign or background_pool(p, warm=("orchestration.site_work",)) is None:
+        return None
+    return {s: train_local_only.with_options(**site_task_options(p)).submit(p, ctx.layout, s, ctx.out.path(f"models/local/{s}.pt"),
+                                                                             background=True) for s in fed.sites}
+
+
+def baselines(ctx, fed: Federation, global_state: dict, local_futures: dict | None = None) -> tuple[dict, dict]:
+    """After the last round, at every site: the head re-fit to the final model, and the local-only baseline (its
+    results, when `start_local_only` started it beside the rounds)."""
     from tasks.train import site_adapt_head, train_local_only
 
     p, sites = fed.p, fed.sites
@@ -198,7 +212,9 @@ def baselines(ctx, fed: Federation, global_state: dict) -> tuple[dict, dict]:
     if p.federate.head_adapt_steps and not fed.sovereign:
         head_adapt = dict(zip(sites, site_adapt_head.with_options(**site_task_options(p)).map(
             unmapped(p), unmapped(ctx.layout), sites, unmapped(global_state), [fed.state_paths[s] for s in sites]).result()))
-    if p.federate.local_only and not fed.sovereign:
+    if local_futures is not None:
+        local_only = {s: local_futures[s].result() for s in sites}
+    elif p.federate.local_only and not fed.sovereign:
         local_only = dict(zip(sites, train_local_only.with_options(**site_task_options(p)).map(
             unmapped(p), unmapped(ctx.layout), sites, [ctx.out.path(f"models/local/{s}.pt") for s in sites]).result()))
     return head_adapt, local_only

@@ -59,9 +59,11 @@ class _TagCall(logging.Filter):
         return True
 
 
-def _init_worker(threads: int, records) -> None:
-    """Worker start: its torch threads, and the queue its log records go back to the coordinator on."""
+def _init_worker(threads: int, records, nice: int = 0) -> None:
+    """Worker start: its torch threads, its scheduling priority, and the queue its log records go back to the coordinator on."""
     global _records
+    if nice:
+        os.nice(nice)
     torch.set_num_threads(threads)
     _records = records
     _route_records()
@@ -99,10 +101,11 @@ def _run_call(call_id: str, fn: Callable[..., T], args: tuple, kwargs: dict) -> 
 
 
 class WorkerPool:
-    """`workers` spawned processes, each running torch with `threads` intra-op threads."""
+    """`workers` spawned processes, each running torch with `threads` intra-op threads, at niceness `nice`
+    (19: they run only on CPU time no process of normal priority wants)."""
 
-    def __init__(self, workers: int, threads: int, warm: tuple[str, ...] = ()) -> None:
-        self.workers, self.threads, self.warm = workers, threads, warm
+    def __init__(self, workers: int, threads: int, warm: tuple[str, ...] = (), nice: int = 0) -> None:
+        self.workers, self.threads, self.warm, self.nice = workers, threads, warm, nice
         self._ctx = multiprocessing.get_context("spawn")
         self._records = self._ctx.Queue()
         self._lock = threading.Lock()
@@ -115,7 +118,8 @@ class WorkerPool:
 
     def _start(self) -> ProcessPoolExecutor:
         """A fresh executor whose workers start now (spawn and import, ~2-3 s), not inside the first call's timeout."""
-        executor = ProcessPoolExecutor(self.workers, mp_context=self._ctx, initializer=_init_worker, initargs=(self.threads, self._records))
+        executor = ProcessPoolExecutor(self.workers, mp_context=self._ctx, initializer=_init_worker,
+                                       initargs=(self.threads, self._records, self.nice))
         self._warming = [executor.submit(_warm, self.warm) for _ in range(self.workers)]
         return executor
 
@@ -195,6 +199,12 @@ class WorkerPool:
             process.terminate()
         old.shutdown(wait=False, cancel_futures=True)
 
+    def terminate(self) -> None:
+        """Stop the workers now, whatever they run (a stage that failed does not wait for its background work)."""
+        for process in list(getattr(self._executor, "_processes", {}).values()):
+            process.terminate()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
         self._records.put(None)
@@ -221,7 +231,7 @@ class InlinePool:
         pass
 
 
-_pools: dict[tuple[int, int], WorkerPool] = {}
+_pools: dict[tuple[int, int, int], WorkerPool] = {}
 _pools_lock = threading.Lock()
 
 
@@ -236,10 +246,38 @@ def site_pool(params, warm: tuple[str, ...] = ()) -> WorkerPool | InlinePool:
     if workers == 1 or resolve_device(params.run.device).type == "cuda":
         return InlinePool(params.run.torch_threads)
     with _pools_lock:
-        pool = _pools.get((workers, threads))
+        pool = _pools.get((workers, threads, 0))
         if pool is None:
-            pool = _pools[(workers, threads)] = WorkerPool(workers, threads, warm)
+            pool = _pools[(workers, threads, 0)] = WorkerPool(workers, threads, warm)
         return pool
+
+
+BACKGROUND_NICE = 19
+
+
+def background_pool(params, warm: tuple[str, ...] = ()) -> WorkerPool | None:
+    """A second pool of `site_pool`'s shape whose workers run at the lowest priority (niceness 19): work that no
+    result of the stage waits on until its end (the local-only baselines) runs there while the rounds run, on the
+    CPU time they leave idle (a round's site steps fill 1.5 of 2 workers with 3 sites, and the aggregation
+    between site steps fills none), and at full speed once nothing else runs. None where `site_pool` would not
+    start processes (one worker, a GPU, Dask): there the work runs after the rounds, as before."""
+    workers, threads = thread_split(params.run.torch_threads, params.run.workers)
+    if params.federate.task_runner == "dask" or workers == 1 or resolve_device(params.run.device).type == "cuda":
+        return None
+    with _pools_lock:
+        pool = _pools.get((workers, threads, BACKGROUND_NICE))
+        if pool is None:
+            pool = _pools[(workers, threads, BACKGROUND_NICE)] = WorkerPool(workers, threads, warm, nice=BACKGROUND_NICE)
+        return pool
+
+
+def terminate_background_pools() -> None:
+    """Stop the background workers now (a stage that failed); `close_pools` would wait for what they run."""
+    with _pools_lock:
+        pools = [k for k in _pools if k[2] == BACKGROUND_NICE]
+        dropped = [_pools.pop(k) for k in pools]
+    for pool in dropped:
+        pool.terminate()
 
 
 def site_slots(params) -> int | None:

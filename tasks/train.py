@@ -36,7 +36,7 @@ from orchestration.site_work import (
     loss_progress,
     site_train_body,
 )
-from orchestration.workers import site_pool
+from orchestration.workers import background_pool, site_pool
 
 
 @task(name="train-centralized", task_run_name="train-centralized", cache_policy=NONE)
@@ -79,9 +79,11 @@ def train_centralized(params: Params, layout: Layout, model_path: Path,
 
 
 @task(name="train-local-only", task_run_name="{site}-local-only-train", cache_policy=NONE)
-def train_local_only(params: Params, layout: Layout, site: str, model_path: Path) -> dict:
-    """The no-federation baseline: the site trains alone for as many steps as it trains in Stage B (in a worker)."""
-    return site_pool(params).call(local_only_body, params, layout, site, model_path)
+def train_local_only(params: Params, layout: Layout, site: str, model_path: Path, background: bool = False) -> dict:
+    """The no-federation baseline: the site trains alone for as many steps as it trains in Stage B (in a worker;
+    `background`: in a lowest-priority worker, beside the rounds). Same bits either way."""
+    pool = background_pool(params, warm=("orchestration.site_work",)) if background else None
+    return (pool or site_pool(params)).call(local_only_body, params, layout, site, model_path)
 
 
 @task(name="site-train", task_run_name="{site}-round-{round_idx:02d}-train", cache_policy=NONE)

@@ -2,6 +2,7 @@
 continue one schedule, and bad schedules rejected before any work."""
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -35,7 +36,7 @@ def test_cosine_against_its_closed_form():
     assert lrs[3] == pytest.approx(0.002)
     assert lrs[-1] == pytest.approx(0.0002)
     assert lrs[13] == pytest.approx(0.002 * (0.1 + 0.45 * (1 + math.cos(math.pi * 10 / 19))))
-    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))  # non-increasing after warm-up
+    assert all(a >= b for a, b in itertools.pairwise(lrs[3:]))  # non-increasing after warm-up
     with pytest.raises(ValueError, match="outside"):
         scheduled_lr(p.train, total, total)
 

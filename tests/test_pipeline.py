@@ -23,6 +23,27 @@ def _runs(root):
     return client, client.search_runs([exp.experiment_id], max_results=1000)
 
 
+def _local_only_is_the_in_process_model(project):
+    """The local-only baseline trained beside the rounds (lowest-priority workers) is the bits the same body gives
+    run here, one thread like a worker, after nothing else."""
+    import torch
+
+    from lensemble.config import load_params
+    from lensemble.paths import Layout
+    from orchestration.site_work import local_only_body
+
+    params = load_params(project / "params.yaml")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        local_only_body(params, Layout(project), "site_b", project / "local_here.pt")
+    finally:
+        torch.set_num_threads(threads)
+    here = torch.load(project / "local_here.pt", weights_only=True)
+    there = torch.load(project / "models" / "local" / "site_b.pt", weights_only=True)
+    assert here.keys() == there.keys() and all(torch.equal(here[k], there[k]) for k in here)
+
+
 def test_pipeline_end_to_end(prefect_server, project):
     from flows.pipeline import pipeline_flow
 
@@ -40,6 +61,7 @@ def test_pipeline_end_to_end(prefect_server, project):
     assert "| site_a | grid_point |" in report and "wire_bytes_per_param" in report
     fed = json.loads((reports / "federate.json").read_text())
     assert fed["transport"] == "secure_int8" and len(fed["global_params_sha256"]) == 64
+    _local_only_is_the_in_process_model(project)
     assert fed["bytes_per_param"] < 2.6  # 2 bytes/param + headers, keys and signatures on a tiny model
     ev = json.loads((reports / "eval.json").read_text())
     assert set(ev["sites"]["site_a"]) >= {"centralized", "federated", "local_only", "oracle", "random", "diagnostics"}

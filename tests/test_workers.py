@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from lensemble.errors import DataError
-from orchestration.workers import InlinePool, WorkerPool, makespan, thread_split
+from orchestration.workers import BACKGROUND_NICE, InlinePool, WorkerPool, background_pool, makespan, thread_split
+from tests.conftest import micro_params
 
 
 def _worker_facts(n: int) -> tuple[int, int, float]:
@@ -136,3 +137,71 @@ def test_an_abandoned_call_stops_its_worker_and_the_others_run_again(tmp_path):
 ])
 def test_makespan_is_the_first_in_first_out_schedule_of_the_pool(seconds, slots, expected):
     assert makespan(seconds, slots) == expected
+
+
+def _priority_and_bits(seed: int) -> tuple[int, int, bytes]:
+    """(niceness, torch threads, the bits of a few seeded AdamW steps) — run in a worker."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(64, 64, generator=gen, requires_grad=True)
+    opt = torch.optim.AdamW([w], lr=1e-2)
+    for _ in range(5):
+        x = torch.randn(32, 64, generator=gen)
+        loss = (x @ w).tanh().square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return os.nice(0), torch.get_num_threads(), w.detach().numpy().tobytes()
+
+
+def test_background_workers_run_at_the_lowest_priority_and_compute_the_same_bits(pool):
+    background = WorkerPool(2, 1, nice=BACKGROUND_NICE)
+    try:
+        low = [background.call(_priority_and_bits, s) for s in (0, 1)]
+        normal = [pool.call(_priority_and_bits, s) for s in (0, 1)]
+    finally:
+        background.close()
+    assert {n for n, _, _ in low} == {19} and {n for n, _, _ in normal} == {os.nice(0)} != {19}
+    assert [t for _, t, _ in low] == [1, 1]
+    assert [b for _, _, b in low] == [b for _, _, b in normal]  # priority changes when, never what
+    assert low[0][2] != low[1][2]
+
+
+def test_terminate_stops_background_work_without_waiting_for_it(tmp_path):
+    background = WorkerPool(1, 1, nice=BACKGROUND_NICE)
+    pid_file = tmp_path / "bg.pid"
+    caller = threading.Thread(target=lambda: pytest.raises(BaseException, background.call, _hangs, str(pid_file)), daemon=True)
+    caller.start()
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = int(pid_file.read_text())
+    t0 = time.monotonic()
+    background.terminate()
+    for _ in range(100):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the background worker still runs after terminate()")
+    assert time.monotonic() - t0 < 30  # generous CI ceiling: it did not wait for the endless call
+
+
+@pytest.mark.parametrize("run, federate, expected", [
+    ({"workers": 2}, {}, (2, 1, BACKGROUND_NICE)),  # the default split: a lowest-priority twin of the site pool
+    ({"workers": 1}, {}, None),  # one process: nothing idles beside the rounds, the baselines run after them
+    ({"workers": 2}, {"task_runner": "dask"}, None),  # Dask workers are processes already
+])
+def test_background_pool_only_where_site_work_runs_in_worker_processes(run, federate, expected):
+    from lensemble.config import parse_params
+    from orchestration.workers import close_pools
+
+    raw = micro_params()
+    raw["run"].update(run)
+    raw["federate"].update(federate)
+    bg = background_pool(parse_params(raw))
+    try:
+        assert (bg if bg is None else (bg.workers, bg.threads, bg.nice)) == expected
+    finally:
+        close_pools()
