@@ -25,7 +25,7 @@ def test_grid_keeps_total_inner_steps_and_refuses_what_cannot_run():
 
 def test_the_cli_default_grid_runs_on_the_default_params():
     """`lensemble ablate` with no options on the shipped params.yaml: every default H divides rounds x H
-    (an H of 100 against the default 15 x 50 = 750 inner steps was refused before anything ran)."""
+    (an H of 100 against 750 inner steps, 15 x 50 then and 30 x 25 now, was refused before anything ran)."""
     from pathlib import Path
 
     from flows.cli import build_parser
