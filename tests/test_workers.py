@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from lensemble.errors import DataError
-from orchestration.workers import BACKGROUND_NICE, InlinePool, WorkerPool, background_pool, makespan, thread_split
+from orchestration.workers import (
+    BACKGROUND_NICE,
+    InlinePool,
+    WorkerPool,
+    background_pool,
+    makespan,
+    thread_split,
+)
 from tests.conftest import micro_params
 
 
@@ -169,7 +176,15 @@ def test_background_workers_run_at_the_lowest_priority_and_compute_the_same_bits
 def test_terminate_stops_background_work_without_waiting_for_it(tmp_path):
     background = WorkerPool(1, 1, nice=BACKGROUND_NICE)
     pid_file = tmp_path / "bg.pid"
-    caller = threading.Thread(target=lambda: pytest.raises(BaseException, background.call, _hangs, str(pid_file)), daemon=True)
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            background.call(_hangs, str(pid_file))
+        except BaseException as exc:  # noqa: BLE001 - the test reads what the call raised
+            outcome["raised"] = exc
+
+    caller = threading.Thread(target=run, daemon=True)
     caller.start()
     deadline = time.monotonic() + 60
     while not pid_file.exists() and time.monotonic() < deadline:
@@ -186,10 +201,13 @@ def test_terminate_stops_background_work_without_waiting_for_it(tmp_path):
     else:
         pytest.fail("the background worker still runs after terminate()")
     assert time.monotonic() - t0 < 30  # generous CI ceiling: it did not wait for the endless call
+    caller.join(30)
+    assert "raised" in outcome  # the call waiting on it came back with an error instead of hanging
 
 
 @pytest.mark.parametrize("run, federate, expected", [
-    ({"workers": 2}, {}, (2, 1, BACKGROUND_NICE)),  # the default split: a lowest-priority twin of the site pool
+    ({"workers": 2}, {}, (2, 1, BACKGROUND_NICE)),  # the default split on 2 sites: a lowest-priority twin of the site pool
+    ({"workers": 2, "torch_threads": 4}, {}, (2, 2, BACKGROUND_NICE)),  # the site pool's threads: the same bits as after the rounds
     ({"workers": 1}, {}, None),  # one process: nothing idles beside the rounds, the baselines run after them
     ({"workers": 2}, {"task_runner": "dask"}, None),  # Dask workers are processes already
 ])
@@ -203,5 +221,19 @@ def test_background_pool_only_where_site_work_runs_in_worker_processes(run, fede
     bg = background_pool(parse_params(raw))
     try:
         assert (bg if bg is None else (bg.workers, bg.threads, bg.nice)) == expected
+    finally:
+        close_pools()
+
+
+def test_background_pool_has_a_worker_for_every_site():
+    from lensemble.config import parse_params
+    from orchestration.workers import close_pools
+
+    raw = micro_params()
+    raw["run"].update(workers=2)
+    raw["data"]["sites"].append({"name": "site_c", "embodiment": "grid_point", "episodes": 3})
+    bg = background_pool(parse_params(raw))
+    try:
+        assert (bg.workers, bg.threads, bg.nice) == (3, 1, BACKGROUND_NICE)  # no baseline waits for another
     finally:
         close_pools()
