@@ -45,7 +45,7 @@ from lensemble.workflow import (
     site_names,
     warm_start,
 )
-from orchestration.sites import check_sovereign, make_sites, site_task_options
+from orchestration.sites import check_sovereign, make_sites, site_task_options, wait_seconds
 from orchestration.workers import background_pool, makespan, site_pool, site_slots
 
 
@@ -198,8 +198,11 @@ def start_local_only(ctx, fed: Federation) -> dict | None:
     p = fed.p
     if not p.federate.local_only or fed.sovereign or background_pool(p, warm=("orchestration.site_work",)) is None:
         return None
-    return {s: train_local_only.with_options(**site_task_options(p)).submit(p, ctx.layout, s, ctx.out.path(f"models/local/{s}.pt"),
-                                                                             background=True) for s in fed.sites}
+    # no task timeout: a baseline at the lowest priority may wait out the whole federation for CPU time; the
+    # coordinator bounds its own wait after the rounds instead (`baselines`)
+    options = {**site_task_options(p), "timeout_seconds": None}
+    return {s: train_local_only.with_options(**options).submit(p, ctx.layout, s, ctx.out.path(f"models/local/{s}.pt"), background=True)
+            for s in fed.sites}
 
 
 def baselines(ctx, fed: Federation, global_state: dict, local_futures: dict | None = None) -> tuple[dict, dict]:
@@ -213,7 +216,13 @@ def baselines(ctx, fed: Federation, global_state: dict, local_futures: dict | No
         head_adapt = dict(zip(sites, site_adapt_head.with_options(**site_task_options(p)).map(
             unmapped(p), unmapped(ctx.layout), sites, unmapped(global_state), [fed.state_paths[s] for s in sites]).result()))
     if local_futures is not None:
-        local_only = {s: local_futures[s].result() for s in sites}
+        deadline = time.monotonic() + wait_seconds(p)  # after the rounds, as long as the site steps would be waited for
+        for s in sites:
+            try:
+                local_only[s] = local_futures[s].result(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise TimeoutError(f"{s}'s local-only baseline did not finish within {wait_seconds(p):.0f} s of the last round "
+                                   "(federate.site_timeout_seconds and site_retries); raise them, or set federate.local_only: false") from None
     elif p.federate.local_only and not fed.sovereign:
         local_only = dict(zip(sites, train_local_only.with_options(**site_task_options(p)).map(
             unmapped(p), unmapped(ctx.layout), sites, [ctx.out.path(f"models/local/{s}.pt") for s in sites]).result()))
