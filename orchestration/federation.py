@@ -45,7 +45,12 @@ from lensemble.workflow import (
     site_names,
     warm_start,
 )
-from orchestration.sites import check_sovereign, make_sites, site_task_options, wait_seconds
+from orchestration.sites import (
+    check_sovereign,
+    make_sites,
+    site_task_options,
+    wait_seconds,
+)
 from orchestration.workers import background_pool, makespan, site_pool, site_slots
 
 
