@@ -292,13 +292,15 @@ def test_federate_killed_mid_run_resumes_bitwise(prefect_server, project, tmp_pa
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{project / 'mlflow.db'}")
     env = {**os.environ, "LENSEMBLE_PREFECT": "ephemeral"}
+    # its own process group: the kill takes its worker processes with it, as a machine crash would (killing the
+    # coordinator alone left its spawned workers orphaned, asleep, after the test session)
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "--root", str(project), "run", "federate"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     ckpt_dir = project / "checkpoints" / "federate"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and not any(ckpt_dir.glob("*.ckpt")) and proc.poll() is None:
         time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     ckpts = list(ckpt_dir.glob("*.ckpt"))
     assert ckpts, "the coordinator was killed before it committed a round"
