@@ -53,6 +53,8 @@ from orchestration.sites import (
 )
 from orchestration.workers import background_pool, makespan, site_pool, site_slots
 
+SITE_WORK_MODULES = ("orchestration.site_work",)  # what the site workers import as they start: no round waits for it
+
 
 @dataclass
 class Federation:
@@ -123,7 +125,7 @@ def open_federation(ctx) -> Federation:
     state_paths = {s: ctx.out.path(f"models/sites/{s}.pt") for s in sites}
     delta_paths = {s: ctx.out.path(f"models/sites/{s}.delta.pt") for s in sites}
     pool = make_sites(p, ctx.layout, spec, run_id, state_paths, delta_paths, exchange)
-    site_pool(p, warm=("orchestration.site_work",)).wait_ready()  # the sites' workers start now, not inside round 0 (or its timeouts)
+    site_pool(p, warm=SITE_WORK_MODULES).wait_ready()  # the sites' workers start now, not inside round 0 (or its timeouts)
     probe, labels = probe_frames_labelled(ctx.layout, p)
     return Federation(p, ctx.layout, model, sites, spec, spec_numel(spec), probe,
                       aggregator_codec(p.federate.transport, p.federate.quant_block, pool.pins, p.federate.announce_outlier_factor),
@@ -201,7 +203,7 @@ def start_local_only(ctx, fed: Federation) -> dict | None:
     from tasks.train import train_local_only
 
     p = fed.p
-    if not p.federate.local_only or fed.sovereign or background_pool(p, warm=("orchestration.site_work",)) is None:
+    if not p.federate.local_only or fed.sovereign or background_pool(p, warm=SITE_WORK_MODULES) is None:
         return None
     # no task timeout: a baseline at the lowest priority may wait out the whole federation for CPU time; the
     # coordinator bounds its own wait after the rounds instead (`baselines`)

@@ -235,6 +235,13 @@ _pools: dict[tuple[int, int, int], WorkerPool] = {}
 _pools_lock = threading.Lock()
 
 
+def in_worker_processes(params) -> bool:
+    """Whether a stage's site work runs in worker processes under `params`: not on Dask (its workers are processes
+    already), not where the thread split is one process, not with the model on a GPU."""
+    workers, _ = thread_split(params.run.torch_threads, params.run.workers)
+    return params.federate.task_runner != "dask" and workers > 1 and resolve_device(params.run.device).type != "cuda"
+
+
 def site_pool(params, warm: tuple[str, ...] = ()) -> WorkerPool | InlinePool:
     """Where a stage runs its sites' CPU-bound work under `params`: a shared `WorkerPool` (its workers import the
     `warm` modules as they start); in-process when the split is one process or the model runs on a GPU; in the
@@ -243,7 +250,7 @@ def site_pool(params, warm: tuple[str, ...] = ()) -> WorkerPool | InlinePool:
     workers, threads = thread_split(params.run.torch_threads, params.run.workers)
     if params.federate.task_runner == "dask":
         return InlinePool(threads)
-    if workers == 1 or resolve_device(params.run.device).type == "cuda":
+    if not in_worker_processes(params):
         return InlinePool(params.run.torch_threads)
     with _pools_lock:
         pool = _pools.get((workers, threads, 0))
@@ -261,9 +268,9 @@ def background_pool(params, warm: tuple[str, ...] = ()) -> WorkerPool | None:
     CPU time they leave idle (a round's site steps fill 1.5 of 2 workers with 3 sites, and the aggregation
     between site steps fills none), and at full speed once nothing else runs. None where `site_pool` would not
     start processes (one worker, a GPU, Dask): there the work runs after the rounds, as before."""
-    workers, threads = thread_split(params.run.torch_threads, params.run.workers)
-    if params.federate.task_runner == "dask" or workers == 1 or resolve_device(params.run.device).type == "cuda":
+    if not in_worker_processes(params):
         return None
+    workers, threads = thread_split(params.run.torch_threads, params.run.workers)
     # one worker a site: every baseline advances on the idle time (with two workers the third waited for the first
     # two and then trained alone on one core: federate 306 s against 313 s with no background at all)
     workers = max(workers, len(params.data.sites))
@@ -286,10 +293,9 @@ def terminate_background_pools() -> None:
 def site_slots(params) -> int | None:
     """How many sites' work runs at once under `params` in this process's pool: its workers; None when every site
     runs at once (threads, Dask, a GPU, sovereign sites at home)."""
-    workers, _ = thread_split(params.run.torch_threads, params.run.workers)
-    if params.federate.execution == "sovereign" or params.federate.task_runner == "dask" or workers == 1:
+    if params.federate.execution == "sovereign" or not in_worker_processes(params):
         return None
-    return None if resolve_device(params.run.device).type == "cuda" else workers
+    return thread_split(params.run.torch_threads, params.run.workers)[0]
 
 
 def makespan(seconds: list[float], slots: int | None) -> float:
