@@ -237,3 +237,42 @@ def test_background_pool_has_a_worker_for_every_site():
         assert (bg.workers, bg.threads, bg.nice) == (3, 1, BACKGROUND_NICE)  # no baseline waits for another
     finally:
         close_pools()
+
+
+def _baseline_coordinator(sites: list[str]):
+    from types import SimpleNamespace
+
+    from lensemble.config import parse_params
+
+    raw = micro_params()
+    raw["federate"].update(head_adapt_steps=0, local_only=True)
+    return SimpleNamespace(p=parse_params(raw), sites=sites, sovereign=False)
+
+
+def test_background_baselines_are_collected_after_the_rounds():
+    from concurrent.futures import Future
+
+    from orchestration.federation import baselines
+
+    futures = {s: Future() for s in ("site_a", "site_b")}
+    for s, f in futures.items():
+        f.set_result({"site": s, "steps": 3})
+    head_adapt, local_only = baselines(None, _baseline_coordinator(["site_a", "site_b"]), {}, futures)
+    assert head_adapt == {} and local_only == {"site_a": {"site": "site_a", "steps": 3}, "site_b": {"site": "site_b", "steps": 3}}
+
+
+def test_a_background_baseline_that_never_finishes_is_a_one_line_error_after_the_site_wait(monkeypatch):
+    from concurrent.futures import Future
+
+    from orchestration import federation
+
+    done, stuck = Future(), Future()
+    done.set_result({"steps": 3})
+    monkeypatch.setattr(federation, "wait_seconds", lambda p: 0.5)  # the site steps' wait (timeout x attempts), shortened
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError) as err:
+        federation.baselines(None, _baseline_coordinator(["site_a", "site_b"]), {}, {"site_a": done, "site_b": stuck})
+    assert time.monotonic() - t0 < 30  # generous CI ceiling: it waited about the site wait, not for ever
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("site_b's local-only baseline did not finish within 0 s of the last round")
+    assert "federate.site_timeout_seconds" in message and "federate.local_only: false" in message
