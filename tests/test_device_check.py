@@ -13,9 +13,12 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.e2e
 
 
-def test_dry_run_times_the_step_and_federates_twice_to_the_same_hash(tmp_path):
+def test_dry_run_times_the_step_and_federates_twice_to_the_same_hash(tmp_path, prefect_server):
+    from prefect.settings import PREFECT_API_URL
+
     out = tmp_path / "device_check.json"
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    # the session's Prefect server: without one the script starts a temporary server of its own (~25 s)
+    env = {**{k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}, "PREFECT_API_URL": PREFECT_API_URL.value()}
     run = subprocess.run(["bash", str(REPO / "scripts" / "device_check.sh"), "--dry-run", "--out", str(out)],
                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
