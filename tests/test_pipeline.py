@@ -291,7 +291,10 @@ def test_federate_killed_mid_run_resumes_bitwise(prefect_server, project, tmp_pa
     expected = json.loads((reference / "reports" / "federate.json").read_text())["global_params_sha256"]
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{project / 'mlflow.db'}")
-    env = {**os.environ, "LENSEMBLE_PREFECT": "ephemeral"}
+    from prefect.settings import PREFECT_API_URL
+
+    # the session's Prefect server: an ephemeral one of its own cost the coordinator ~25 s of start-up before round 1
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
     # its own process group: the kill takes its worker processes with it, as a machine crash would (killing the
     # coordinator alone left its spawned workers orphaned, asleep, after the test session)
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "--root", str(project), "run", "federate"], env=env,
