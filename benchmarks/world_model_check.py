@@ -83,7 +83,7 @@ def main(argv: list[str]) -> None:
     steps = args.steps or p.centralized.steps
     t0 = time.perf_counter()
     log = train_steps(model, make_optimizer(model, p.train), [(e, sampler_for(eps, p)) for e, eps in sorted(train.items())], steps,
-                      train=p.train, objective=p.objective, run_seed=p.run.seed, round_idx=0, data_key="centralized")
+                      train=p.train, objective=p.objective, run_seed=p.run.seed, round_idx=0, data_key="centralized", schedule=(0, steps))
     train_s = time.perf_counter() - t0
     tail = {k: sum(v[-50:]) / len(v[-50:]) for k, v in vars(log).items() if v}
     print(f"train {steps} steps {train_s:.1f}s ({train_s / steps * 1e3:.0f} ms/step); last-50 losses {tail}", flush=True)
