@@ -3,9 +3,11 @@ closed-loop success against the oracle and random actions, per embodiment.
 
     python benchmarks/world_model_check.py [params.yaml] [key=value ...] [--steps N] [--eval-episodes E] [--held-out K]
         [--train-diagnostics] [--no-closed-loop] [--closed-loop-on EMB ...] [--no-baselines] [--cache DIR]
+        [--save MODEL.pt | --load MODEL.pt]
 
 `--held-out K`: held-out episodes per embodiment for the diagnostics (default: the params' probe episodes);
-`--train-diagnostics`: also the rollout diagnostics on the first 8 training episodes (how much of the
+`--save`: write the trained model's state dict; `--load`: read one instead of training (the same params
+and overrides, e.g. to try planner settings on one model); `--train-diagnostics`: also the rollout diagnostics on the first 8 training episodes (how much of the
 held-out gap is overfitting).
 
 Overrides are dotted params keys (e.g. data.image_size=48 objective.sigreg_on=centered_tokens).
@@ -67,6 +69,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--train-diagnostics", action="store_true")
     ap.add_argument("--closed-loop-on", nargs="*", default=None, help="embodiments to plan in (default: all)")
     ap.add_argument("--no-baselines", action="store_true", help="skip the oracle and random planners")
+    ap.add_argument("--save", default=None, help="write the trained model's state dict here")
+    ap.add_argument("--load", default=None, help="read a state dict saved by --save instead of training")
     args = ap.parse_args(argv)
     raw = yaml.safe_load(Path(args.params).read_text())
     for o in args.overrides:
@@ -81,12 +85,18 @@ def main(argv: list[str]) -> None:
     print(f"data {time.perf_counter() - t0:.1f}s", flush=True)
     model = build_model(p, "centralized")
     steps = args.steps or p.centralized.steps
-    t0 = time.perf_counter()
-    log = train_steps(model, make_optimizer(model, p.train), [(e, sampler_for(eps, p)) for e, eps in sorted(train.items())], steps,
-                      train=p.train, objective=p.objective, run_seed=p.run.seed, round_idx=0, data_key="centralized", schedule=(0, steps))
-    train_s = time.perf_counter() - t0
-    tail = {k: sum(v[-50:]) / len(v[-50:]) for k, v in vars(log).items() if v}
-    print(f"train {steps} steps {train_s:.1f}s ({train_s / steps * 1e3:.0f} ms/step); last-50 losses {tail}", flush=True)
+    if args.load:
+        model.load_state_dict(torch.load(args.load, map_location="cpu", weights_only=True))
+        print(f"loaded {args.load}", flush=True)
+    else:
+        t0 = time.perf_counter()
+        log = train_steps(model, make_optimizer(model, p.train), [(e, sampler_for(eps, p)) for e, eps in sorted(train.items())], steps,
+                          train=p.train, objective=p.objective, run_seed=p.run.seed, round_idx=0, data_key="centralized", schedule=(0, steps))
+        train_s = time.perf_counter() - t0
+        tail = {k: sum(v[-50:]) / len(v[-50:]) for k, v in vars(log).items() if v}
+        print(f"train {steps} steps {train_s:.1f}s ({train_s / steps * 1e3:.0f} ms/step); last-50 losses {tail}", flush=True)
+        if args.save:
+            torch.save(model.state_dict(), args.save)
     c = p.evaluate.cem
     out = {}
     for emb in sorted(train):

@@ -46,6 +46,8 @@ def evaluate_flow(root: str = ".") -> None:
                     ctx.metric(f"eval/rollout_vs_copy_proprio/{model}", diag["rollout_vs_copy_proprio"][h - 1], participant=s, step=h)
                 for name in ("action_sensitivity", "action_sensitivity_proprio", "probe_r2"):
                     ctx.metric(f"eval/{name}/{model}", diag[name], participant=s)
+                for component, r2 in diag.get("world_probe_r2", {}).items():
+                    ctx.metric(f"eval/world_probe_r2/{component}/{model}", r2, participant=s)
             ctx.metric("eval/plan_seconds", res["federated"]["plan_seconds"], participant=s)
         means = {m: sum(r[m]["success_rate"] for r in results.values()) / len(results) for m in agents}
         ctx.measured["eval/success_rate"] = means["federated"]

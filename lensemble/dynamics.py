@@ -9,6 +9,8 @@ Computed on held-out episodes (the public probe set), before any success rate is
 - `probe_r2`: R² of a ridge probe from a frame's embedding (all its tokens) to the embodiment's
   state components (`state_components`: position, fingertip), fitted on the site's training
   episodes and scored on the held-out ones.
+- `world_probe_r2`: the same probe to the world state only the frame shows (`world_probe_components`:
+  PushT's block position and angle, the MuJoCo target), on simulator states drawn for the purpose.
 
 Shape legend: E episodes, L steps, W windows, C context, H horizon, N tokens, D latent, Q proprio width.
 """
@@ -23,6 +25,7 @@ from lensemble.data.windows import frames_to_tensor, proprio_features
 from lensemble.device import model_device, to_device
 from lensemble.model.predictor import rollout
 from lensemble.model.world_model import WorldModel
+from lensemble.sim.base import Embodiment
 from lensemble.sim.registry import embodiment_class
 
 RIDGE_GRID = (1e-2, 1e-1, 1.0, 10.0, 100.0, 1000.0)
@@ -131,6 +134,42 @@ def probe_r2(model: WorldModel, train: Episodes, held_out: Episodes, max_train_f
     x_test = held_out_z.flatten(0, 1).flatten(1).numpy().astype(np.float64)
     y_test = held_out.proprio_ELP.reshape(-1, held_out.proprio_ELP.shape[-1])[:, comps]
     return ridge_r2(x_train, flat_p[:, comps].astype(np.float64), x_test, y_test.astype(np.float64))
+
+
+WORLD_PROBE_STATES = 800
+
+
+def world_probe_set(env: Embodiment, seed: int, count: int = WORLD_PROBE_STATES) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """`count` frames [P, H, W, 3] of simulator states drawn from `seed` and the world state each shows (name →
+    [P, k]), for `world_probe_r2`; no frames and no names when the embodiment has no world probe."""
+    if not env.world_probe_components:
+        return np.zeros((0, env.image_size, env.image_size, 3), np.uint8), {}
+    rng = np.random.default_rng(seed)
+    frames, targets = [], {name: [] for name in env.world_probe_components}
+    for _ in range(count):
+        state = env.world_probe_state(rng)
+        frames.append(env.render())
+        for name in targets:
+            targets[name].append(np.asarray(state[name], dtype=np.float64))
+    return np.stack(frames), {name: np.stack(v) for name, v in targets.items()}
+
+
+def world_probe_scores(z_PF: np.ndarray, targets: dict[str, np.ndarray]) -> dict[str, float]:
+    """R² of a ridge probe from each state's features to each named world-state quantity: fitted on the first four
+    fifths of the states, scored on the last fifth."""
+    n = len(z_PF) * 4 // 5
+    x = np.asarray(z_PF, dtype=np.float64)
+    return {name: ridge_r2(x[:n], y[:n], x[n:], y[n:]) for name, y in targets.items()}
+
+
+@torch.no_grad()
+def world_probe_r2(model: WorldModel, frames_PHWC: np.ndarray, targets: dict[str, np.ndarray]) -> dict[str, float]:
+    """Linear-probe R² of the world state the frame alone shows (PushT's block position and angle, the target) from the
+    frame's embedding: the probe of `probe_r2` reads the robot's own state, this one what the planner's goal image
+    must carry beside it. {} when there are no targets."""
+    if not targets:
+        return {}
+    return world_probe_scores(encode_episodes(model, frames_PHWC[None])[0].flatten(1).numpy(), targets)
 
 
 def dynamics_report(model: WorldModel, train: Episodes, held_out: Episodes, context: int, horizon: int, proprio_width: int,

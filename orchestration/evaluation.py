@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from lensemble.config import Params
-from lensemble.dynamics import dynamics_report
+from lensemble.dynamics import dynamics_report, world_probe_r2, world_probe_set
 from lensemble.errors import DataError
 from lensemble.evaluation import ORACLE, evaluate
 from lensemble.model.world_model import WorldModel, load_federated
@@ -81,6 +81,9 @@ def evaluate_models(params: Params, layout: Layout, site: str, names: tuple[str,
     seeds = eval_seeds(params, embodiment)
     out = {}
     try:
+        probe_frames, probe_targets = world_probe_set(env, params.run.seed)  # the same states for every model
+        for name, d in diagnostics.items():
+            d["world_probe_r2"] = world_probe_r2(models[name], probe_frames, probe_targets)
         for i, (name, model) in enumerate(models.items(), start=1):
             gen = generator(params.run.seed, f"cem/{name}", participant=site)
             t0 = time.monotonic()

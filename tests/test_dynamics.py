@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lensemble.data.episodes import Episodes, generate_episodes
-from lensemble.dynamics import probe_r2, ridge_r2, rollout_diagnostics
+from lensemble.dynamics import probe_r2, ridge_r2, rollout_diagnostics, world_probe_r2, world_probe_scores, world_probe_set
 from lensemble.model.predictor import KVCache
 from lensemble.sim.gridworld import ARENA_HIGH, ARENA_LOW, PointAgent
 
@@ -109,3 +109,55 @@ def test_the_report_equals_its_parts_with_the_held_out_frames_encoded_once():
     train, held = planted_episodes(5, 6), planted_episodes(6, 3)
     report = dynamics_report(Planted(), train, held, context=2, horizon=3, proprio_width=Q, seed=1)
     assert report == {**rollout_diagnostics(Planted(), held, 2, 3, Q, 1), "probe_r2": probe_r2(Planted(), train, held)}
+
+
+def test_world_probe_scores_a_planted_linear_code_near_one_and_noise_near_zero():
+    rng = np.random.default_rng(0)
+    targets = {"block_xy": rng.uniform(0.2, 0.8, (400, 2)), "block_angle": rng.standard_normal((400, 2))}
+    y = np.concatenate(list(targets.values()), axis=1)  # [400, 4]
+    planted = np.concatenate([y @ rng.standard_normal((4, 12)), rng.standard_normal((400, 20))], axis=1) + 1e-3 * rng.standard_normal((400, 32))
+    scores = world_probe_scores(planted, targets)
+    assert scores["block_xy"] > 0.99 and scores["block_angle"] > 0.99
+    noise = world_probe_scores(rng.standard_normal((400, 32)), targets)
+    assert max(noise.values()) < 0.1
+
+
+def _centroid(frames_PHWC: np.ndarray, rgb: tuple[int, int, int], tol: int) -> np.ndarray:
+    """Centroid (x, y) and area of the pixels within `tol` of a colour: where the frame shows that object."""
+    hit = np.abs(frames_PHWC.astype(int) - np.array(rgb)).max(-1) < tol  # [P, H, W]
+    ys, xs = np.mgrid[: frames_PHWC.shape[1], : frames_PHWC.shape[2]]
+    n = hit.sum((1, 2)).clip(1)
+    return np.stack([(hit * xs).sum((1, 2)) / n, (hit * ys).sum((1, 2)) / n, n], axis=1)
+
+
+def test_world_probe_states_are_the_simulators_own_and_the_frames_show_them():
+    from lensemble.sim.mujoco_envs import MujocoPointMass
+    from lensemble.sim.pusht import WORKSPACE, PushT
+
+    pusht = PushT(64)
+    frames, targets = world_probe_set(pusht, seed=3, count=300)
+    assert frames.shape == (300, 64, 64, 3) and set(targets) == {"block_xy", "block_angle"}
+    pose = pusht.block_pose()  # the last state drawn is the one the simulator holds
+    np.testing.assert_allclose(targets["block_xy"][-1] * WORKSPACE, pose[:2], atol=1e-6)
+    np.testing.assert_allclose(targets["block_angle"][-1], [np.cos(pose[2]), np.sin(pose[2])], atol=1e-6)
+    again, same = world_probe_set(pusht, seed=3, count=300)
+    assert np.array_equal(again, frames) and all(np.array_equal(same[k], targets[k]) for k in targets)  # seeded
+    # the labels are what the frame shows: the block's grey pixels' centroid gives its position (measured R² 0.90 / 0.91 at
+    # seeds 0 / 3), but not its angle linearly (0.03 / 0.13): a probe on an encoder must find the angle in its features
+    assert world_probe_scores(_centroid(frames, (119, 136, 153), 20), targets)["block_xy"] > 0.8
+    pusht.close()
+
+    point = MujocoPointMass(64)
+    frames, targets = world_probe_set(point, seed=3, count=300)
+    np.testing.assert_allclose(targets["target_xy"][-1], point.goal_xy)
+    assert np.abs(targets["target_xy"]).max() <= point.arena + 1e-9
+    assert world_probe_scores(_centroid(frames, (230, 38, 38), 60), targets)["target_xy"] > 0.99  # the red target: 0.99997
+    point.close()
+
+
+def test_an_embodiment_without_world_state_beyond_proprio_has_no_world_probe():
+    frames, targets = world_probe_set(PointAgent(image_size=8), seed=0)
+    assert frames.shape[0] == 0 and targets == {}
+    assert world_probe_r2(Planted(), frames, targets) == {}
+    with pytest.raises(NotImplementedError, match="no world probe"):
+        PointAgent(image_size=8).world_probe_state(np.random.default_rng(0))

@@ -69,7 +69,8 @@ def test_pipeline_end_to_end(prefect_server, project):
         assert {"centralized", "federated", "local_only", "oracle", "random", "of_oracle", "success_criterion"} <= set(ev["embodiments"][emb])
     diag = ev["sites"]["site_a"]["diagnostics"]["federated"]
     assert len(diag["rollout_vs_copy"]) == 2 and diag["action_sensitivity"] > 0 and diag["probe_r2"] <= 1.0
-    assert "oracle" in report and "Dynamics diagnostics" in report
+    assert diag["world_probe_r2"] == {}  # the grid's frames show nothing beyond the agent's proprioception
+    assert "oracle" in report and "Dynamics diagnostics" in report and "world probe R²" in report
     records = [json.loads(line) for line in (reports / "metrics.jsonl").read_text().splitlines()]
     names = {r["name"] for r in records}
     assert {"loss/pred", "loss/proprio", "loss/sigreg", "loss/anchor", "fed/comm_bytes", "gauge/drift_angle_deg", "gauge/effective_dim",

@@ -30,6 +30,9 @@ class Embodiment(ABC):
     state_components: tuple[int, ...] = ()  # proprio components the embedding's linear probe must recover (position, fingertip)
     # name → what success() measures, with its tolerance (stated in reports); the first is the default
     success_criteria: dict[str, str] = {}
+    # world state the frame alone shows (PushT's block, the MuJoCo target): what `world_probe_state` returns,
+    # read by the world probe (`dynamics.world_probe_r2`); empty: nothing beyond proprioception
+    world_probe_components: tuple[str, ...] = ()
 
     def __init__(self, image_size: int = 64) -> None:
         self.image_size = int(image_size)
@@ -42,6 +45,12 @@ class Embodiment(ABC):
 
             raise ConfigError(f"unknown success criterion {name!r} for {self.name}; known: {list(self.success_criteria)}")
         self.criterion = name
+
+    def world_probe_state(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        """Put the simulator in a state drawn from `rng` (world and robot, at rest) and return the world state the
+        frame shows beside proprioception, one array per name of `world_probe_components`. Diagnostics only:
+        it draws from the simulator, never from a site's episodes. Call `reset` before an episode."""
+        raise NotImplementedError(f"{self.name} has no world probe (world_probe_components is empty)")
 
     @abstractmethod
     def reset(self, seed: int) -> None:

@@ -162,9 +162,18 @@ class _MujocoEmbodiment(Embodiment):
         self.goal_qpos = np.zeros(self.model.nq)
         self.goal_xy = np.zeros(2)
 
+    world_probe_components = ("target_xy",)
+
     def sample_start_and_goal(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """(start qpos, goal qpos) drawn from `rng`."""
         raise NotImplementedError
+
+    def world_probe_state(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        """A start and a goal as `reset` draws them, at rest: the target's position (metres), drawn in the frame and in no
+        proprioception component."""
+        qpos, goal_qpos = self.sample_start_and_goal(rng)
+        self.set_state(qpos, np.zeros(self.model.nv), goal_qpos)
+        return {"target_xy": self.goal_xy.copy()}
 
     def reset(self, seed: int) -> None:
         rng = np.random.default_rng(seed)

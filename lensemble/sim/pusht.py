@@ -139,6 +139,16 @@ class PushT(Embodiment):
         "pose": f"block origin within {SUCCESS_DIST_PX:.0f} px of PushT's fixed goal pose and angle within pi/9",
     }
 
+    world_probe_components = ("block_xy", "block_angle")
+
+    def world_probe_state(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        """Agent and block at random (gym-pusht's start ranges), the goal region at PushT's fixed goal pose: the
+        block's position (workspace units) and its angle as (cos θ, sin θ), what the planner's goal image must show."""
+        agent = rng.uniform(50.0, 450.0, 2)
+        block = np.array([*rng.uniform(100.0, 400.0, 2), rng.uniform(-np.pi, np.pi)])
+        self.set_state(agent, block, STANDARD_GOAL)
+        return {"block_xy": block[:2] / WORKSPACE, "block_angle": np.array([np.cos(block[2]), np.sin(block[2])])}
+
     def __init__(self, image_size: int = 64, random_goal: bool = False) -> None:
         super().__init__(image_size)
         self.random_goal = random_goal
