@@ -60,7 +60,7 @@ def main() -> None:
     try:
         params = load_params(args.root / "params.yaml")
         layout = Layout(args.root)
-        probe, labels = probe_frames_labelled(layout, params)
+        probe, labels, _ = probe_frames_labelled(layout, params)
         samplers = [(e, sampler_for(load_probe_episodes(layout, params, e), params)) for e in embodiments(params)]
     except LensembleError as exc:
         sys.exit(f"{exc} (give a project root whose `dvc repro prepare` has run)")

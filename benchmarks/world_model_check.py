@@ -2,10 +2,12 @@
 closed-loop success against the oracle and random actions, per embodiment.
 
     python benchmarks/world_model_check.py [params.yaml] [key=value ...] [--steps N] [--eval-episodes E] [--held-out K]
-        [--train-diagnostics] [--no-closed-loop] [--closed-loop-on EMB ...] [--no-baselines] [--cache DIR]
+        [--held-out-random-fraction F] [--train-diagnostics] [--no-closed-loop] [--closed-loop-on EMB ...] [--no-baselines] [--cache DIR]
         [--save MODEL.pt | --load MODEL.pt]
 
 `--held-out K`: held-out episodes per embodiment for the diagnostics (default: the params' probe episodes);
+`--held-out-random-fraction F`: draw them with this share of random-action segments instead of the params'
+`data.random_fraction` (to read models trained on different data mixes on one held-out set);
 `--save`: write the trained model's state dict; `--load`: read one instead of training (the same params
 and overrides, e.g. to try planner settings on one model); `--train-diagnostics`: also the rollout diagnostics on the first 8 training episodes (how much of the
 held-out gap is overfitting).
@@ -66,6 +68,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--cache", default="/tmp/lensemble-wm-check")
     ap.add_argument("--no-closed-loop", action="store_true")
     ap.add_argument("--held-out", type=int, default=None)
+    ap.add_argument("--held-out-random-fraction", type=float, default=None)
     ap.add_argument("--train-diagnostics", action="store_true")
     ap.add_argument("--closed-loop-on", nargs="*", default=None, help="embodiments to plan in (default: all)")
     ap.add_argument("--no-baselines", action="store_true", help="skip the oracle and random planners")
@@ -76,12 +79,15 @@ def main(argv: list[str]) -> None:
     for o in args.overrides:
         override(raw, o)
     p = parse_params(raw)
+    held_p = p
+    if args.held_out_random_fraction is not None:
+        held_p = parse_params({**raw, "data": {**raw["data"], "random_fraction": args.held_out_random_fraction}})
     torch.set_num_threads(p.run.torch_threads)
     cache = Path(args.cache)
     cache.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     train = {s.embodiment: episodes(p, s.embodiment, s.name, s.episodes, cache) for s in p.data.sites}
-    held = {e: episodes(p, e, f"probe/{e}", args.held_out or p.data.probe_episodes, cache) for e in train}
+    held = {e: episodes(held_p, e, f"probe/{e}", args.held_out or p.data.probe_episodes, cache) for e in train}
     print(f"data {time.perf_counter() - t0:.1f}s", flush=True)
     model = build_model(p, "centralized")
     steps = args.steps or p.centralized.steps

@@ -39,6 +39,8 @@ def gauge_flow(root: str = ".") -> None:
             if "within_vs_pooled" in r:  # per embodiment: the lowest robot's federated ÷ pooled RankMe, and how far apart the robots sit
                 ctx.metric("gauge/effective_dim_within_vs_pooled", min(r["within_vs_pooled"].values()), step=r["round"], round_idx=r["round"])
                 ctx.metric("gauge/between_fraction", r["between_fraction"], step=r["round"], round_idx=r["round"])
+            if "temporal_vs_pooled" in r:  # per embodiment: the lowest robot's federated ÷ pooled within-episode variance share
+                ctx.metric("gauge/temporal_share_vs_pooled", min(r["temporal_vs_pooled"].values()), step=r["round"], round_idx=r["round"])
         ctx.measured["gauge/drift_angle_deg"] = g.per_round[-1]["drift_angle_deg_mean"]
         # the target is "stays ≥ 50% of the latent dimension over the run": the budget checks the lowest round
         lowest = g.effective_dim_min / final["latent_dim"]
@@ -46,6 +48,8 @@ def gauge_flow(root: str = ".") -> None:
         ctx.measured["gauge/effective_dim_vs_pooled"] = g.effective_dim_vs_pooled_min
         ctx.out.write_json("reports/gauge.json", {"per_round": g.per_round, "final": final,
                                                   "collapse_tripwire": g.collapse_tripwire,
+                                                  "collapse_reasons": list(g.collapse_reasons),
                                                   "effective_dim_fraction_min": lowest,
                                                   "effective_dim_vs_pooled_min": g.effective_dim_vs_pooled_min,
-                                                  "effective_dim_within_vs_pooled_min": g.within_vs_pooled_min})
+                                                  "effective_dim_within_vs_pooled_min": g.within_vs_pooled_min,
+                                                  "temporal_share_vs_pooled_min": g.temporal_vs_pooled_min})

@@ -66,34 +66,65 @@ def effective_dim(z_ND: torch.Tensor) -> dict[str, float]:
     return {"rankme": rankme, "participation_ratio": pr}
 
 
-def embodiment_spread(z_PD: torch.Tensor, labels: Sequence[str]) -> dict:
+def embodiment_spread(z_PD: torch.Tensor, labels: Sequence[str], episodes: Sequence[int] = ()) -> dict:
     """The probe's effective dimension read per embodiment: each embodiment's own RankMe (`by_embodiment`), its rms
     spread about its centroid (`within_rms`), and the share of the probe's variance that lies between the
     embodiments' centroids (`between_fraction`). A whole-probe RankMe near the number of embodiments with a
     between share near 1 and healthy per-embodiment RankMe means the robots sit far apart, not that any
-    robot's representation collapsed; per-embodiment RankMe falling is collapse."""
+    robot's representation collapsed; per-embodiment RankMe falling is collapse.
+
+    Given each row's probe episode (`episodes`, rows of an episode in time order), also `temporal_share`: the
+    share of each embodiment's variance that lies within its episodes, about each episode's own mean, i.e.
+    what changes over time. An encoder that sees only what is fixed in an episode (the goal, the scene) and
+    not what moves keeps a healthy RankMe across episodes while this share falls to 0: a temporal collapse,
+    under which the latent barely moves from frame to frame and "nothing moves" is the best prediction. A robot
+    with a single probe episode has no reading (its one episode holds all of its variance)."""
     if len(labels) != z_PD.shape[0]:
         raise ValueError(f"{len(labels)} probe labels for {z_PD.shape[0]} embeddings")
+    if episodes and len(episodes) != z_PD.shape[0]:
+        raise ValueError(f"{len(episodes)} probe episode ids for {z_PD.shape[0]} embeddings")
     z = z_PD.to(torch.float64)
     total = float((z - z.mean(0)).pow(2).sum(1).mean())
-    by, rms, within = {}, {}, 0.0
+    by, rms, temporal, within = {}, {}, {}, 0.0
     for emb in sorted(set(labels)):
-        zz = z[torch.tensor([lab == emb for lab in labels])]
+        rows = torch.tensor([lab == emb for lab in labels])
+        zz = z[rows]
         sq = (zz - zz.mean(0)).pow(2).sum(1)
         by[emb] = effective_dim(zz)["rankme"]
         rms[emb] = float(sq.mean().sqrt())
         within += float(sq.sum())
+        ids = torch.tensor(list(episodes))[rows] if episodes else torch.zeros(0)
+        if ids.unique().numel() > 1:  # one probe episode holds all of its robot's variance: no reading
+            moving = sum(float((zz[ids == e] - zz[ids == e].mean(0)).pow(2).sum()) for e in ids.unique().tolist())
+            temporal[emb] = moving / float(sq.sum()) if float(sq.sum()) > 0 else 0.0
     between = 1.0 - within / z.shape[0] / total if total > 0 else 0.0
-    return {"by_embodiment": by, "within_rms": rms, "between_fraction": between}
+    out = {"by_embodiment": by, "within_rms": rms, "between_fraction": between}
+    return {**out, "temporal_share": temporal} if episodes else out
 
 
-def collapse_tripwire(federated: list[float], pooled: list[float], drop_fraction: float) -> bool:
-    """True when any round's federated effective dimension falls below (1 − drop_fraction) × the pooled model's
-    at the same point of training: collapse is read against what the pooled data supports, not against round 1
-    (a run that starts collapsed and partly recovers would never trip a round-1 reference)."""
-    if len(federated) != len(pooled):
-        raise ValueError(f"{len(federated)} federated rounds but {len(pooled)} pooled checkpoints")
-    return any(f < (1.0 - drop_fraction) * p for f, p in zip(federated, pooled))
+def collapse_reasons(per_round: list[dict], drop_fraction: float) -> list[str]:
+    """Every reading of `gauge_over_rounds`' rows below (1 − drop_fraction) × the pooled model's at the same point
+    of training, as "round R: what, ratio"; empty when the tripwire stays quiet. Collapse is read against what
+    the pooled data supports, not against round 1 (a run that starts collapsed and partly recovers would
+    never trip a round-1 reference).
+
+    Rows that carry per-embodiment figures are read per robot: each robot's RankMe (`within_vs_pooled`, a
+    dimensional collapse) and, where recorded, its within-episode variance share (`temporal_vs_pooled`, a
+    temporal collapse). The whole-probe RankMe is not read there: with several robots it also falls when
+    their centroids move apart, which collapses nothing (it stays a reported figure). Rows without
+    per-embodiment figures (an older run) are read on the whole probe."""
+    floor = 1.0 - drop_fraction
+    reasons = []
+    for row in per_round:
+        r = row["round"]
+        if "within_vs_pooled" not in row:
+            if row["effective_dim_vs_pooled"] < floor:
+                reasons.append(f"round {r}: effective dimension {row['effective_dim_vs_pooled']:.2f}× pooled")
+            continue
+        reasons += [f"round {r}: {emb} effective dimension {v:.2f}× pooled" for emb, v in sorted(row["within_vs_pooled"].items()) if v < floor]
+        reasons += [f"round {r}: {emb} within-episode variance share {v:.2f}× pooled"
+                    for emb, v in sorted(row.get("temporal_vs_pooled", {}).items()) if v < floor]
+    return reasons
 
 
 def matched_pooled(curve: list[dict], rounds: int) -> list[dict]:
@@ -111,6 +142,8 @@ def round_summary(record: dict) -> dict:
     spread = record["gauge"].get("embodiments")
     extra = {} if spread is None else {"effective_dim_by_embodiment": spread["by_embodiment"], "between_fraction": spread["between_fraction"],
                                        "within_rms": spread["within_rms"]}
+    if spread is not None and "temporal_share" in spread:
+        extra["temporal_share"] = spread["temporal_share"]
     return {**extra, "round": record["round"], "drift_angle_deg_mean": sum(angles) / len(angles),
             "drift_angle_deg_max": max(s["gauge/drift_angle_max_deg"] for s in sites),
             "procrustes_residual_mean": sum(s["gauge/procrustes_residual"] for s in sites) / len(angles),
@@ -128,11 +161,13 @@ class RoundGauge:
     effective_dim_vs_pooled_min: float  # lowest federated ÷ pooled RankMe over the run
     collapse_tripwire: bool
     within_vs_pooled_min: float | None = None  # lowest per-embodiment federated ÷ pooled RankMe over rounds and embodiments
+    temporal_vs_pooled_min: float | None = None  # lowest per-embodiment federated ÷ pooled within-episode variance share
+    collapse_reasons: tuple[str, ...] = ()  # what tripped the tripwire (collapse_reasons), empty when quiet
 
 
 def gauge_over_rounds(rounds: list[dict], pooled_curve: list[dict], drop_fraction: float) -> RoundGauge:
     """Summarise every round of `reports/federate.json` and trip on collapse against Stage A's effective-dimension
-    curve (`effective_dim_curve` of `reports/centralized.json`), never against round 1."""
+    curve (`effective_dim_curve` of `reports/centralized.json`), never against round 1 (`collapse_reasons`)."""
     per_round = [round_summary(r) for r in rounds]
     pooled = matched_pooled(pooled_curve, len(per_round))
     for row, point in zip(per_round, pooled):
@@ -141,11 +176,16 @@ def gauge_over_rounds(rounds: list[dict], pooled_curve: list[dict], drop_fractio
         if "effective_dim_by_embodiment" in row and "by_embodiment" in point:
             row["pooled_by_embodiment"], row["pooled_between_fraction"] = point["by_embodiment"], point["between_fraction"]
             row["within_vs_pooled"] = {e: v / max(point["by_embodiment"][e], 1e-12) for e, v in row["effective_dim_by_embodiment"].items()}
+        if "temporal_share" in row and "temporal_share" in point:
+            row["pooled_temporal_share"] = point["temporal_share"]
+            row["temporal_vs_pooled"] = {e: v / max(point["temporal_share"][e], 1e-12) for e, v in row["temporal_share"].items()}
     within = [v for r in per_round for v in r.get("within_vs_pooled", {}).values()]
-    tripwire = collapse_tripwire([r["effective_dim"] for r in per_round], [p["rankme"] for p in pooled], drop_fraction)
+    temporal = [v for r in per_round for v in r.get("temporal_vs_pooled", {}).values()]
+    reasons = collapse_reasons(per_round, drop_fraction)
     return RoundGauge(per_round=per_round, effective_dim_min=min(r["effective_dim"] for r in per_round),
                       effective_dim_vs_pooled_min=min(r["effective_dim_vs_pooled"] for r in per_round),
-                      collapse_tripwire=tripwire, within_vs_pooled_min=min(within) if within else None)
+                      collapse_tripwire=bool(reasons), within_vs_pooled_min=min(within) if within else None,
+                      temporal_vs_pooled_min=min(temporal) if temporal else None, collapse_reasons=tuple(reasons))
 
 
 def sample_pairs(sites: list[str], num_pairs: int, rng: np.random.Generator) -> list[tuple[str, str]]:

@@ -178,20 +178,38 @@ def out_of_band_lines(budgets: list[dict]) -> list[str]:
     return lines or [f"- none: all {len(budgets)} budgets within their bands"]
 
 
+def _lowest_robot(gauge: dict, key: str) -> tuple[dict, str] | None:
+    """The round and robot with the lowest per-embodiment ratio `key` (`within_vs_pooled`, `temporal_vs_pooled`)."""
+    rows = [r for r in gauge["per_round"] if r.get(key)]
+    if not rows:
+        return None
+    worst = min(rows, key=lambda r: min(r[key].values()))
+    return worst, min(worst[key], key=worst[key].get)
+
+
 def within_embodiment_lines(gauge: dict) -> list[str]:
     """The collapse check read per embodiment: a whole-probe RankMe can fall because the robots sit far apart (the
     variance between their centroids dominates) while no robot's own representation has collapsed."""
-    low = gauge.get("effective_dim_within_vs_pooled_min")
-    rows = [r for r in gauge["per_round"] if "within_vs_pooled" in r]
-    if low is None or not rows:
+    low, lowest = gauge.get("effective_dim_within_vs_pooled_min"), _lowest_robot(gauge, "within_vs_pooled")
+    if low is None or lowest is None:
         return []
-    worst = min(rows, key=lambda r: min(r["within_vs_pooled"].values()))
-    emb = min(worst["within_vs_pooled"], key=worst["within_vs_pooled"].get)
-    lowest_whole = min(gauge["per_round"], key=lambda r: r["effective_dim_vs_pooled"])
+    (worst, emb), lowest_whole = lowest, min(gauge["per_round"], key=lambda r: r["effective_dim_vs_pooled"])
     return [(
         f"  - per embodiment, lowest federated ÷ pooled RankMe {low:.2f} ({emb}, round {worst['round']}); in the round with the "
         f"lowest whole-probe ratio (round {lowest_whole['round']}) {lowest_whole.get('between_fraction', float('nan')):.0%} of the probe's variance lies between the "
-        f"embodiments' centroids (pooled {lowest_whole.get('pooled_between_fraction', float('nan')):.0%})")]
+        f"embodiments' centroids (pooled {lowest_whole.get('pooled_between_fraction', float('nan')):.0%})"), *temporal_lines(gauge)]
+
+
+def temporal_lines(gauge: dict) -> list[str]:
+    """The temporal-collapse reading: each robot's within-episode variance share (what moves over time) against the
+    pooled model's at the same point of training."""
+    low, lowest = gauge.get("temporal_share_vs_pooled_min"), _lowest_robot(gauge, "temporal_vs_pooled")
+    if low is None or lowest is None:
+        return []
+    worst, emb = lowest
+    return [f"  - per embodiment, lowest federated ÷ pooled within-episode variance share (what moves from frame to frame) "
+            f"{low:.2f} ({emb}, round {worst['round']}: {worst['temporal_share'][emb]:.0%} of its variance against "
+            f"{worst['pooled_temporal_share'][emb]:.0%})"]
 
 
 def gauge_warning_lines(gauge: dict, collapse_drop_fraction: float | None) -> list[str]:
@@ -205,9 +223,15 @@ def gauge_warning_lines(gauge: dict, collapse_drop_fraction: float | None) -> li
     else:
         threshold = (f"trips below {1 - collapse_drop_fraction:.2f} × pooled, "
                      f"`gauge.collapse_drop_fraction` = {collapse_drop_fraction:g}")
+    if any("within_vs_pooled" in r for r in rounds):
+        reads = ("reads each robot's effective dimension (RankMe) and within-episode variance share against the pooled "
+                 f"model's at the same point of training; whole-probe ratio {gauge['effective_dim_vs_pooled_min']:.2f}, not read")
+    else:
+        reads = f"lowest federated ÷ pooled effective dimension (RankMe, same point of training) {gauge['effective_dim_vs_pooled_min']:.2f}"
+    reasons = list(gauge.get("collapse_reasons", ()))
+    named = "; ".join(reasons[:3]) + (f"; and {len(reasons) - 3} more" if len(reasons) > 3 else "")
     return [
-        f"- {mark(tripped)} collapse tripwire {'TRIPPED' if tripped else 'quiet'}: lowest federated ÷ pooled effective "
-        f"dimension (RankMe, same point of training) {gauge['effective_dim_vs_pooled_min']:.2f} ({threshold})",
+        f"- {mark(tripped)} collapse tripwire {'TRIPPED' if tripped else 'quiet'}: {reads} ({threshold})" + (f": {named}" if reasons else ""),
         *within_embodiment_lines(gauge),
         f"- {mark(frac < EFFECTIVE_DIM_WARN_FRACTION)} effective dimension: lowest {frac:.1%} of the {latent}-d latent "
         f"(RankMe {lowest['effective_dim']:.1f}, round {lowest['round']}), final {last['effective_dim']:.1f} "
@@ -418,8 +442,8 @@ def privacy_lines(federate: dict) -> list[str]:
             f"noise multiplier z = {d['noise_multiplier']:g}, clip norm S = {d['clip_norm']:g}); {clipped} of site updates clipped"]
 
 
-def _within_cell(row: dict) -> str:
-    w = row.get("within_vs_pooled")
+def _within_cell(row: dict, key: str = "within_vs_pooled") -> str:
+    w = row.get(key)
     if not w:
         return "n/a"
     emb = min(w, key=w.get)
@@ -458,10 +482,11 @@ def render_markdown(figures: dict, budgets: list[dict], hw_class: str, hardware:
         f"lowest over the run {g['effective_dim_fraction_min']:.1%} of the latent dimension; "
         f"federated ÷ pooled at the same point of training, lowest round: {g['effective_dim_vs_pooled_min']:.2f}; "
         f"collapse tripwire (against the pooled model) {'TRIPPED' if g['collapse_tripwire'] else 'quiet'}", "",
-        "| round | federated RankMe | pooled RankMe | ratio | lowest ratio per embodiment | between-embodiment variance, federated / pooled | drift ° |",
-        "|---|---|---|---|---|---|---|",
+        "| round | federated RankMe | pooled RankMe | ratio | lowest ratio per embodiment | lowest within-episode share ratio | "
+        "between-embodiment variance, federated / pooled | drift ° |",
+        "|---|---|---|---|---|---|---|---|",
         *(f"| {r['round']} | {r['effective_dim']:.2f} | {r['pooled_effective_dim']:.2f} | {r['effective_dim_vs_pooled']:.2f} | "
-          f"{_within_cell(r)} | {_between_cell(r)} | {r['drift_angle_deg_mean']:.2f} |" for r in g["per_round"]), "",
+          f"{_within_cell(r)} | {_within_cell(r, 'temporal_vs_pooled')} | {_between_cell(r)} | {r['drift_angle_deg_mean']:.2f} |" for r in g["per_round"]), "",
         *dynamics_lines(f, e), "",
         "## Closed-loop latent-MPC evaluation", "",
         "Every agent runs the same episodes (seeds, starts, goals). The oracle is the same CEM with the true simulator as its",

@@ -99,14 +99,19 @@ def probe_frames(layout: Layout, params: Params) -> torch.Tensor:
     return probe_frames_labelled(layout, params)[0]
 
 
-def probe_frames_labelled(layout: Layout, params: Params) -> tuple[torch.Tensor, list[str]]:
-    """`probe_frames` and the embodiment of each of its rows (the per-embodiment gauge reads both), from one read."""
-    chunks, labels = [], []
+def probe_frames_labelled(layout: Layout, params: Params) -> tuple[torch.Tensor, list[str], list[int]]:
+    """`probe_frames`, the embodiment of each of its rows and the probe episode it comes from (numbered across
+    embodiments; a row's frames of one episode are in time order): the per-embodiment gauge reads all three."""
+    chunks, labels, episodes = [], [], []
     for emb in embodiments(params):
         eps = read_episodes(layout.probe(emb), params.data.image_size)
-        chunks.append(eps.frames_ELHWC[:, ::PROBE_STRIDE].reshape(-1, *eps.frames_ELHWC.shape[2:]))
-        labels += [emb] * len(chunks[-1])
-    return frames_to_tensor(np.concatenate(chunks)), labels
+        frames = eps.frames_ELHWC[:, ::PROBE_STRIDE]
+        E, L = frames.shape[:2]
+        chunks.append(frames.reshape(E * L, *frames.shape[2:]))
+        first = episodes[-1] + 1 if episodes else 0
+        labels += [emb] * (E * L)
+        episodes += [first + e for e in range(E) for _ in range(L)]
+    return frames_to_tensor(np.concatenate(chunks)), labels, episodes
 
 
 def eval_seeds(params: Params, embodiment: str) -> Sequence[int]:

@@ -73,6 +73,7 @@ class Federation:
     state_paths: dict[str, Path]
     ckpt_root: Path
     probe_labels: list[str] = field(default_factory=list)  # the embodiment of each probe row (per-embodiment gauge)
+    probe_episodes: list[int] = field(default_factory=list)  # the probe episode of each row (within-episode share)
 
     @property
     def sovereign(self) -> bool:
@@ -126,10 +127,10 @@ def open_federation(ctx) -> Federation:
     delta_paths = {s: ctx.out.path(f"models/sites/{s}.delta.pt") for s in sites}
     pool = make_sites(p, ctx.layout, spec, run_id, state_paths, delta_paths, exchange)
     site_pool(p, warm=SITE_WORK_MODULES).wait_ready()  # the sites' workers start now, not inside round 0 (or its timeouts)
-    probe, labels = probe_frames_labelled(ctx.layout, p)
+    probe, labels, probe_episodes = probe_frames_labelled(ctx.layout, p)
     return Federation(p, ctx.layout, model, sites, spec, spec_numel(spec), probe,
                       aggregator_codec(p.federate.transport, p.federate.quant_block, pool.pins, p.federate.announce_outlier_factor),
-                      pool, run_id, state_paths, ctx.layout.root / "checkpoints", labels)
+                      pool, run_id, state_paths, ctx.layout.root / "checkpoints", labels, probe_episodes)
 
 
 def resume(fed: Federation) -> FederationState:
@@ -165,7 +166,7 @@ def federation_round(fed: Federation, r: int, state: FederationState, outer) -> 
     from tasks.federation import gauge_round
 
     gauge = gauge_round(p.run.seed, r, {s: trained[s]["probe_embedding"] for s in res.members}, new_probe, p.gauge.pair_samples,
-                         fed.probe_labels)
+                         fed.probe_labels, fed.probe_episodes)
     # the sites' own work on the round's critical path: their training as the workers ran it (with fewer workers
     # than sites, some trainings run one after another: compute, not orchestration), the slowest announcement
     # and encoding, the outer step and the gauge

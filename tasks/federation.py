@@ -31,16 +31,16 @@ def aggregate_round(ctx: RoundContext, aggregator: AggregatorCodec, payloads: Ma
 
 @task(name="gauge-round", task_run_name="round-{round_idx:02d}-gauge", cache_policy=NONE)
 def gauge_round(run_seed: int, round_idx: int, site_probes: Mapping[str, torch.Tensor], global_probe: torch.Tensor, num_pairs: int,
-                probe_labels: Sequence[str] = ()) -> dict:
+                probe_labels: Sequence[str] = (), probe_episodes: Sequence[int] = ()) -> dict:
     """Drift of sampled site pairs and the effective dimension of the new global model's probe embeddings (and, given
-    each probe row's embodiment, per embodiment)."""
+    each probe row's embodiment, per embodiment; given its probe episode too, each embodiment's within-episode share)."""
     t0 = time.perf_counter()
     sites = sorted(site_probes)
     rng = np.random.default_rng(derive_seed(run_seed, "gauge/pairs", round_idx))
     pairs = {f"{a}|{b}": drift(site_probes[a], site_probes[b]) for a, b in sample_pairs(sites, num_pairs, rng)}
     out = {"pairs": pairs, "effective_dim": effective_dim(global_probe)}
     if probe_labels:
-        out["embodiments"] = embodiment_spread(global_probe, probe_labels)
+        out["embodiments"] = embodiment_spread(global_probe, probe_labels, probe_episodes)
     return {**out, "seconds": time.perf_counter() - t0}
 
 

@@ -49,7 +49,7 @@ def train_centralized(params: Params, layout: Layout, model_path: Path,
     place(model, params)
     samplers = [(site_embodiment(params, s), sampler_for(load_site(layout, params, s), params)) for s in site_names(params)]
     opt = make_optimizer(model, params.train)
-    probe, labels = probe_frames_labelled(layout, params)
+    probe, labels, probe_episodes = probe_frames_labelled(layout, params)
     marks = pooled_checkpoints(params)
     curve: list[dict] = []
     curve_seconds = 0.0
@@ -63,7 +63,7 @@ def train_centralized(params: Params, layout: Layout, model_path: Path,
         if step + 1 in marks:
             t = time.perf_counter()
             z = pool_tokens(encode_frames(model, probe))
-            curve.append({"step": step + 1, **effective_dim(z), **embodiment_spread(z, labels)})
+            curve.append({"step": step + 1, **effective_dim(z), **embodiment_spread(z, labels, probe_episodes)})
             model.train()
             curve_seconds += time.perf_counter() - t
 

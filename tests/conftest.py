@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 def micro_params() -> dict:
     """The default params shrunk to seconds: same structure, tiny counts."""
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
-    raw["data"].update(episode_length=8, probe_episodes=1, num_steps=3)
+    raw["data"].update(episode_length=8, probe_episodes=2, num_steps=3)
     raw["data"]["sites"] = [
         {"name": "site_a", "embodiment": "grid_point", "episodes": 3},
         {"name": "site_b", "embodiment": "grid_thruster", "episodes": 3},

@@ -10,7 +10,7 @@ from scipy.linalg import orthogonal_procrustes
 from scipy.stats import special_ortho_group
 
 from lensemble.gauge import (
-    collapse_tripwire,
+    collapse_reasons,
     drift,
     effective_dim,
     embodiment_spread,
@@ -77,17 +77,23 @@ def test_pair_sampling_is_bounded_and_distinct():
     assert len(sample_pairs(sites[:3], 10, np.random.default_rng(0))) == 3
 
 
-def test_collapse_tripwire_reads_the_pooled_model_not_round_one():
+def _whole(ratios: list[float]) -> list[dict]:
+    """gauge_over_rounds rows without per-embodiment figures (an older run): read on the whole probe."""
+    return [{"round": i, "effective_dim_vs_pooled": x} for i, x in enumerate(ratios)]
+
+
+def test_collapse_reasons_read_the_pooled_model_not_round_one():
     pooled = [10.0, 12.0, 12.0, 12.0]
-    assert not collapse_tripwire([9.0, 11.0, 11.5, 12.0], pooled, 0.5)
+    assert collapse_reasons(_whole([f / p for f, p in zip([9.0, 11.0, 11.5, 12.0], pooled)]), 0.5) == []
     # a run that starts collapsed and partly recovers: a round-1 reference would never trip on it
     planted = [1.8, 3.0, 9.9, 10.5]
-    assert collapse_tripwire(planted, pooled, 0.5)
+    assert collapse_reasons(_whole([f / p for f, p in zip(planted, pooled)]), 0.5) == [
+        "round 0: effective dimension 0.18× pooled", "round 1: effective dimension 0.25× pooled"]
     assert min(planted[1:]) >= 0.5 * planted[0]  # ... while "half of round 1" stays quiet
-    # a late collapse trips too
-    assert collapse_tripwire([9.0, 11.0, 5.0, 4.0], pooled, 0.5)
-    with pytest.raises(ValueError, match="3 federated rounds but 4 pooled checkpoints"):
-        collapse_tripwire([1.0, 2.0, 3.0], pooled, 0.5)
+    # a late collapse trips too; the threshold is (1 − drop_fraction)
+    assert collapse_reasons(_whole([0.9, 0.9, 0.42, 0.33]), 0.5) == ["round 2: effective dimension 0.42× pooled",
+                                                                     "round 3: effective dimension 0.33× pooled"]
+    assert collapse_reasons(_whole([0.9, 0.9, 0.42, 0.33]), 0.6) == ["round 3: effective dimension 0.33× pooled"]
 
 
 def test_collapse_tripwire_fires_on_a_planted_collapsed_embedding():
@@ -95,8 +101,63 @@ def test_collapse_tripwire_fires_on_a_planted_collapsed_embedding():
     healthy = torch.randn(256, 16, generator=gen)
     collapsed = torch.randn(256, 1, generator=gen) @ torch.randn(1, 16, generator=gen) + 0.01 * torch.randn(256, 16, generator=gen)
     pooled = effective_dim(healthy)["rankme"]
-    assert collapse_tripwire([effective_dim(collapsed)["rankme"]], [pooled], 0.5)
-    assert not collapse_tripwire([effective_dim(healthy[torch.randperm(256, generator=gen)])["rankme"]], [pooled], 0.5)
+    assert collapse_reasons(_whole([effective_dim(collapsed)["rankme"] / pooled]), 0.5)
+    assert not collapse_reasons(_whole([effective_dim(healthy[torch.randperm(256, generator=gen)])["rankme"] / pooled]), 0.5)
+
+
+def _episodes(gen: torch.Generator, episodes: int, frames: int, fixed: float, moving: float, dim: int = 8) -> torch.Tensor:
+    """Probe embeddings [episodes·frames, dim]: a per-episode constant (the goal, the scene) of std `fixed` plus what
+    moves from frame to frame, of std `moving`."""
+    const = fixed * torch.randn(episodes, 1, dim, generator=gen, dtype=torch.float64)
+    return (const + moving * torch.randn(episodes, frames, dim, generator=gen, dtype=torch.float64)).reshape(-1, dim)
+
+
+def test_temporal_share_is_the_within_episode_variance_share():
+    gen = torch.Generator().manual_seed(3)
+    E, F = 200, 8
+    z = _episodes(gen, E, F, fixed=1.0, moving=2.0)
+    ids = [e for e in range(E) for _ in range(F)]
+    s = embodiment_spread(z, ["point"] * len(ids), ids)
+    # closed form: within an episode the F frames keep (F−1)/F of the moving variance 4; the whole spread is 1 + 4
+    assert s["temporal_share"]["point"] == pytest.approx(4 * (F - 1) / F / (1 + 4), rel=0.03)
+    # exactly, on any embedding: the within-episode sum of squares over the embodiment's
+    within = sum(float((z[e * F:(e + 1) * F] - z[e * F:(e + 1) * F].mean(0)).pow(2).sum()) for e in range(E))
+    assert s["temporal_share"]["point"] == pytest.approx(within / float((z - z.mean(0)).pow(2).sum()), rel=1e-12)
+    # an encoder that sees only what is fixed in an episode: healthy RankMe across episodes, nothing moves
+    frozen = _episodes(gen, E, F, fixed=1.0, moving=0.0)
+    f = embodiment_spread(frozen, ["point"] * len(ids), ids)
+    assert f["temporal_share"]["point"] < 1e-12 and f["by_embodiment"]["point"] > 7.0
+    # without episode ids, or with one probe episode, there is no temporal reading; a wrong count is an error
+    assert "temporal_share" not in embodiment_spread(z, ["point"] * len(ids))
+    assert embodiment_spread(z[:F], ["point"] * F, ids[:F])["temporal_share"] == {}
+    with pytest.raises(ValueError, match="3 probe episode ids for 1600"):
+        embodiment_spread(z, ["point"] * len(ids), ids[:3])
+
+
+def test_gauge_over_rounds_trips_on_a_planted_temporal_collapse_and_not_on_a_healthy_run():
+    """A federated encoder whose latent stops moving within episodes (stop 34: 1-step rollout 27× copy) keeps each
+    robot's RankMe; the within-episode share against the pooled model's is what trips."""
+    gen = torch.Generator().manual_seed(4)
+    E, F = 16, 8
+    ids = [e for e in range(2 * E) for _ in range(F)]
+    labels = ["point"] * (E * F) + ["reacher"] * (E * F)
+
+    def spread(moving_point: float) -> dict:
+        z = torch.cat([_episodes(gen, E, F, 1.0, moving_point), _episodes(gen, E, F, 1.0, 1.0) + 50.0])
+        return embodiment_spread(z, labels, ids)
+
+    pooled = [{**p, **spread(1.0)} for p in _pooled_curve([8.0, 8.0])]
+    rounds = [_round(1, 8.0), _round(2, 8.0)]
+    for r, moving in zip(rounds, (1.0, 0.05)):  # round 2: the point mass's latent nearly stops moving
+        r["gauge"]["embodiments"] = spread(moving)
+    g = gauge_over_rounds(rounds, pooled, 0.5)
+    assert g.within_vs_pooled_min > 0.8  # every robot's RankMe is healthy ...
+    assert g.per_round[1]["temporal_vs_pooled"]["point"] < 0.01 < 0.5 < g.per_round[1]["temporal_vs_pooled"]["reacher"]
+    assert g.temporal_vs_pooled_min == g.per_round[1]["temporal_vs_pooled"]["point"]
+    assert g.collapse_tripwire and len(g.collapse_reasons) == 1  # ... and the tripwire names what stopped moving
+    assert g.collapse_reasons[0].startswith("round 2: point within-episode variance share 0.0")
+    rounds[1]["gauge"]["embodiments"] = spread(1.0)
+    assert not gauge_over_rounds(rounds, pooled, 0.5).collapse_tripwire
 
 
 def test_rounds_read_the_pooled_checkpoint_at_the_same_fraction_of_training():
@@ -194,6 +255,10 @@ def test_gauge_over_rounds_reads_each_embodiment_against_the_pooled_model():
     assert g.per_round[0]["within_vs_pooled"] == {"a": 1.5, "b": 0.6}
     assert g.per_round[1]["within_vs_pooled"] == {"a": 0.8, "b": 0.9}
     assert (g.per_round[0]["between_fraction"], g.per_round[0]["pooled_between_fraction"]) == (0.99, 0.4)
-    assert g.within_vs_pooled_min == 0.6 and g.effective_dim_vs_pooled_min == 0.25 and g.collapse_tripwire
+    assert g.within_vs_pooled_min == 0.6 and g.effective_dim_vs_pooled_min == 0.25
+    # the whole probe at 0.25× pooled with every robot at ≥ 0.6×: the robots sit apart, nothing collapsed
+    assert not g.collapse_tripwire and g.collapse_reasons == ()
+    rounds[1]["gauge"]["embodiments"] = spread({"a": 8.0, "b": 4.0}, 0.5)  # one robot at 0.4× pooled trips it
+    assert gauge_over_rounds(rounds, pooled, 0.5).collapse_reasons == ("round 2: b effective dimension 0.40× pooled",)
     # records without per-embodiment figures (an older run) summarise as before
     assert gauge_over_rounds([_round(1, 2.0)], _pooled_curve([8.0]), 0.5).within_vs_pooled_min is None

@@ -44,6 +44,32 @@ def _local_only_is_the_in_process_model(project):
     assert here.keys() == there.keys() and all(torch.equal(here[k], there[k]) for k in here)
 
 
+def _probe_rows_name_their_episodes(project):
+    """Each probe row's embodiment and episode: contiguous per episode, frames in time order, every PROBE_STRIDE-th."""
+    import numpy as np
+
+    from lensemble.config import load_params
+    from lensemble.data.episodes import read_episodes
+    from lensemble.data.windows import frames_to_tensor
+    from lensemble.paths import Layout
+    from lensemble.workflow import PROBE_STRIDE, embodiments, probe_frames_labelled
+
+    params, layout = load_params(project / "params.yaml"), Layout(project)
+    probe, labels, episodes = probe_frames_labelled(layout, params)
+    assert len(labels) == len(episodes) == probe.shape[0]
+    first = 0
+    for emb in embodiments(params):
+        eps = read_episodes(layout.probe(emb), params.data.image_size)
+        E, L = eps.frames_ELHWC[:, ::PROBE_STRIDE].shape[:2]
+        rows = [i for i, lab in enumerate(labels) if lab == emb]
+        assert rows == list(range(rows[0], rows[0] + E * L))
+        assert [episodes[i] for i in rows] == [first + e for e in range(E) for _ in range(L)]
+        for e in range(E):  # the rows of probe episode first + e are that episode's frames, in order
+            frames = probe[[i for i in rows if episodes[i] == first + e]]
+            assert np.array_equal(frames.numpy(), frames_to_tensor(eps.frames_ELHWC[e, ::PROBE_STRIDE]).numpy())
+        first += E
+
+
 def test_pipeline_end_to_end(prefect_server, project):
     from flows.pipeline import pipeline_flow
 
@@ -106,11 +132,16 @@ def test_pipeline_end_to_end(prefect_server, project):
     # federated vs pooled at the same fraction of training, every round; the tripwire reads the same pairs
     ratios = [r["effective_dim"] / r["pooled_effective_dim"] for r in gauge["per_round"]]
     assert gauge["effective_dim_vs_pooled_min"] == pytest.approx(min(ratios))
-    assert gauge["collapse_tripwire"] == any(x < 0.5 for x in ratios)
-    # and per embodiment: every round carries each robot's ratio, the summary the lowest of them
+    # and per embodiment: every round carries each robot's RankMe ratio and within-episode share ratio, the summary the
+    # lowest of them; the tripwire reads those two (the whole-probe ratio also falls when the robots sit apart)
     within = [v for r in gauge["per_round"] for v in r["within_vs_pooled"].values()]
-    assert len(within) == len(gauge["per_round"]) * len(gauge["per_round"][0]["effective_dim_by_embodiment"])
+    temporal = [v for r in gauge["per_round"] for v in r["temporal_vs_pooled"].values()]
+    assert len(within) == len(temporal) == len(gauge["per_round"]) * len(gauge["per_round"][0]["effective_dim_by_embodiment"])
+    assert all(0.0 < v < 1.0 for r in gauge["per_round"] for v in r["temporal_share"].values())
     assert gauge["effective_dim_within_vs_pooled_min"] == pytest.approx(min(within))
+    assert gauge["temporal_share_vs_pooled_min"] == pytest.approx(min(temporal))
+    assert gauge["collapse_tripwire"] == bool(gauge["collapse_reasons"]) == any(x < 0.5 for x in within + temporal)
+    _probe_rows_name_their_episodes(project)
     _check_tracking_for_users(project, client, parents[0], children, records)
     check_report_outputs(project)
 

@@ -140,6 +140,16 @@ def test_gauge_warnings_name_their_thresholds():
     collapse, within, dim, drift = gauge_warning_lines({**gauge, "effective_dim_within_vs_pooled_min": 0.7}, 0.5)
     assert within == ("  - per embodiment, lowest federated ÷ pooled RankMe 0.70 (point, round 1); in the round with the lowest "
                       "whole-probe ratio (round 0) 99% of the probe's variance lies between the embodiments' centroids (pooled 50%)")
+    assert "reads each robot's effective dimension" in collapse and "whole-probe ratio 0.16, not read" in collapse
+    # a temporal collapse: the reading names the robot, the round and both shares; the tripwire names its reasons
+    rounds[1] |= {"temporal_share": {"point": 0.01, "pusht": 0.3}, "pooled_temporal_share": {"point": 0.4, "pusht": 0.3},
+                  "temporal_vs_pooled": {"point": 0.025, "pusht": 1.0}}
+    reasons = ["round 1: point within-episode variance share 0.03× pooled"]
+    collapse, within, temporal, dim, drift = gauge_warning_lines(
+        {**gauge, "effective_dim_within_vs_pooled_min": 0.7, "temporal_share_vs_pooled_min": 0.025, "collapse_reasons": reasons}, 0.5)
+    assert collapse.startswith("- **WARNING** collapse tripwire TRIPPED") and collapse.endswith(": " + reasons[0])
+    assert temporal == ("  - per embodiment, lowest federated ÷ pooled within-episode variance share (what moves from frame to frame) "
+                        "0.03 (point, round 1: 1% of its variance against 40%)")
 
 
 def test_drift_chance_level_is_the_mean_angle_of_a_random_rotation():
