@@ -141,6 +141,10 @@ def test_pipeline_end_to_end(prefect_server, project):
     assert gauge["effective_dim_within_vs_pooled_min"] == pytest.approx(min(within))
     assert gauge["temporal_share_vs_pooled_min"] == pytest.approx(min(temporal))
     assert gauge["collapse_tripwire"] == bool(gauge["collapse_reasons"]) == any(x < 0.5 for x in within + temporal)
+    # MLflow carries the lowest robot's within-episode share ratio once a round, the record's figure
+    gauge_run = next(r for r in children if r.data.tags["lensemble.stage"] == "gauge")
+    history = sorted(client.get_metric_history(gauge_run.info.run_id, "gauge/temporal_share_vs_pooled"), key=lambda m: m.step)
+    assert [(m.step, m.value) for m in history] == [(r["round"], pytest.approx(min(r["temporal_vs_pooled"].values()))) for r in gauge["per_round"]]
     _probe_rows_name_their_episodes(project)
     _check_tracking_for_users(project, client, parents[0], children, records)
     check_report_outputs(project)
