@@ -84,6 +84,7 @@ def embodiment_spread(z_PD: torch.Tensor, labels: Sequence[str], episodes: Seque
     if episodes and len(episodes) != z_PD.shape[0]:
         raise ValueError(f"{len(episodes)} probe episode ids for {z_PD.shape[0]} embeddings")
     z = z_PD.to(torch.float64)
+    episode_P = torch.tensor(list(episodes)) if episodes else None
     total = float((z - z.mean(0)).pow(2).sum(1).mean())
     by, rms, temporal, within = {}, {}, {}, 0.0
     for emb in sorted(set(labels)):
@@ -92,11 +93,12 @@ def embodiment_spread(z_PD: torch.Tensor, labels: Sequence[str], episodes: Seque
         sq = (zz - zz.mean(0)).pow(2).sum(1)
         by[emb] = effective_dim(zz)["rankme"]
         rms[emb] = float(sq.mean().sqrt())
-        within += float(sq.sum())
-        ids = torch.tensor(list(episodes))[rows] if episodes else torch.zeros(0)
-        if ids.unique().numel() > 1:  # one probe episode holds all of its robot's variance: no reading
-            moving = sum(float((zz[ids == e] - zz[ids == e].mean(0)).pow(2).sum()) for e in ids.unique().tolist())
-            temporal[emb] = moving / float(sq.sum()) if float(sq.sum()) > 0 else 0.0
+        spread = float(sq.sum())
+        within += spread
+        ids = None if episode_P is None else episode_P[rows]
+        if ids is not None and ids.unique().numel() > 1:  # one probe episode holds all of its robot's variance: no reading
+            moving = sum(float((zz[ids == e] - zz[ids == e].mean(0)).pow(2).sum()) for e in ids.unique())
+            temporal[emb] = moving / spread if spread > 0 else 0.0
     between = 1.0 - within / z.shape[0] / total if total > 0 else 0.0
     out = {"by_embodiment": by, "within_rms": rms, "between_fraction": between}
     return {**out, "temporal_share": temporal} if episodes else out

@@ -442,7 +442,8 @@ def privacy_lines(federate: dict) -> list[str]:
             f"noise multiplier z = {d['noise_multiplier']:g}, clip norm S = {d['clip_norm']:g}); {clipped} of site updates clipped"]
 
 
-def _within_cell(row: dict, key: str = "within_vs_pooled") -> str:
+def _lowest_cell(row: dict, key: str) -> str:
+    """The lowest robot's ratio `key` of a round row, with its name ("n/a" for a row without per-robot figures)."""
     w = row.get(key)
     if not w:
         return "n/a"
@@ -486,7 +487,7 @@ def render_markdown(figures: dict, budgets: list[dict], hw_class: str, hardware:
         "between-embodiment variance, federated / pooled | drift ° |",
         "|---|---|---|---|---|---|---|---|",
         *(f"| {r['round']} | {r['effective_dim']:.2f} | {r['pooled_effective_dim']:.2f} | {r['effective_dim_vs_pooled']:.2f} | "
-          f"{_within_cell(r)} | {_within_cell(r, 'temporal_vs_pooled')} | {_between_cell(r)} | {r['drift_angle_deg_mean']:.2f} |" for r in g["per_round"]), "",
+          f"{_lowest_cell(r, 'within_vs_pooled')} | {_lowest_cell(r, 'temporal_vs_pooled')} | {_between_cell(r)} | {r['drift_angle_deg_mean']:.2f} |" for r in g["per_round"]), "",
         *dynamics_lines(f, e), "",
         "## Closed-loop latent-MPC evaluation", "",
         "Every agent runs the same episodes (seeds, starts, goals). The oracle is the same CEM with the true simulator as its",
