@@ -31,7 +31,7 @@ import yaml
 from lensemble.config import parse_params
 from lensemble.data.episodes import generate_episodes, read_episodes, write_episodes
 from lensemble.dynamics import dynamics_report, rollout_diagnostics
-from lensemble.evaluation import ORACLE, evaluate
+from lensemble.evaluation import ORACLE, evaluate, planning_energy
 from lensemble.planning.cem import CEMConfig
 from lensemble.seeds import generator
 from lensemble.sim.registry import make_embodiment
@@ -127,7 +127,7 @@ def main(argv: list[str]) -> None:
         for name, agent in agents:
             t0 = time.perf_counter()
             r = evaluate(env, seeds, p.evaluate.max_steps, agent, cfg, generator(p.run.seed, f"cem/{name}"), c.execute_steps,
-                         c.context, p.model.proprio_dim)
+                         c.context, p.model.proprio_dim, planning_energy(env, p.evaluate.energy))
             row[name] = (r["success_rate"], round(r["plan_seconds"], 3), round(time.perf_counter() - t0, 1))
         print(emb, "success (rate, plan s, wall s):", row, flush=True)
         env.close()

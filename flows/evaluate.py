@@ -24,7 +24,7 @@ def by_embodiment(results: dict, agents: tuple[str, ...]) -> dict:
         mean = {a: sum(r[a]["success_rate"] for r in rows) / len(rows) for a in agents}
         oracle = mean["oracle"]
         table[emb] = {**mean, "episodes": sum(r[agents[0]]["episodes"] for r in rows), "success_criterion": rows[0]["success_criterion"],
-                      "max_steps": rows[0]["max_steps"],
+                      "max_steps": rows[0]["max_steps"], "energy": rows[0].get("energy", "final"),
                       "of_oracle": {a: (mean[a] / oracle if oracle > 0 else None) for a in agents if a not in REFERENCES}}
     return table
 

@@ -227,6 +227,7 @@ class EvaluateParams(Section):
     max_steps: int = Field(25, ge=1, description="Environment steps per episode.")
     cem: CemParams = Field(default_factory=CemParams)
     success: dict[str, str] = Field(default_factory=dict, description="Success criterion per embodiment (a name from its `success_criteria`); unnamed embodiments use their first.")
+    energy: dict[str, Literal["final", "mean"]] = Field(default_factory=dict, description="How the planner reads the energy to the goal over the horizon, per embodiment, for every model and the oracle alike: final: the last planned step's (DINO-WM); mean: averaged over every planned step (reaching the goal early and staying there scores best). Unnamed embodiments use their own (`goal_energy_over`).")
 
 
 _CRON_ALIASES = frozenset({"@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly"})
@@ -366,6 +367,9 @@ class Params(Section):
             known = embodiment_class(name).success_criteria
             if criterion not in known:
                 raise ValueError(f"evaluate.success.{name}: unknown success criterion {criterion!r}; {name} knows {list(known)}")
+        for name in self.evaluate.energy:
+            if name not in EMBODIMENTS:
+                raise ValueError(f"evaluate.energy: unknown embodiment {name!r}; known: {sorted(EMBODIMENTS)}")
         for name in sorted(used):
             p = embodiment_class(name).proprio_dim
             if p > self.model.proprio_dim:

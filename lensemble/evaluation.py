@@ -5,6 +5,10 @@ Three kinds of agent run the same episodes (same seeds, same start states and go
   the actions between them, scored by the energy to the goal observation (`goal_energy`);
 - the oracle: the same CEM with the true simulator as the model (snapshot, roll out, restore) and
   the success criterion's own distance as the energy: what the protocol allows a perfect model;
+
+Both energies are read over the horizon the same way (`ENERGY_OVER`): at its last step only ("final",
+DINO-WM's) or averaged over every step of it ("mean": a plan that reaches the goal early and stays
+there scores best; success is checked at every step, so that is what it measures);
 - random actions: the floor.
 
 The goal is an observation (a frame and the robot's proprioception there), never simulator state;
@@ -15,7 +19,7 @@ Shape legend: S CEM samples, H horizon, C context, K action dim, N tokens, D lat
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -32,6 +36,7 @@ from lensemble.sim.base import Embodiment
 from lensemble.stats import wilson_interval
 
 ORACLE = "oracle"
+ENERGY_OVER = ("final", "mean")
 Agent = WorldModel | Literal["oracle"] | None  # None: random actions
 
 
@@ -69,47 +74,70 @@ def energy_weights(env: Embodiment, width: int) -> tuple[float, torch.Tensor]:
     return float(env.goal_visual_weight), w  # on the CPU; `goal_energy` puts it beside the goal
 
 
-def goal_energy(goal_z_ND: torch.Tensor, goal_q_Q: torch.Tensor, visual_weight: float, proprio_weights_Q: torch.Tensor):
-    """Energy of predicted final observations: visual_weight · mean (ẑ − z_g)² + Σ_j w_j (q̂_j − q_g,j)² / Σ_j w_j."""
+def check_energy_over(over: str) -> None:
+    """ValueError naming the choices for an unknown way of reading the energy over the horizon."""
+    if over not in ENERGY_OVER:
+        raise ValueError(f"unknown planning energy {over!r} (evaluate.energy); known: {', '.join(ENERGY_OVER)}")
+
+
+def planning_energy(env: Embodiment, overrides: Mapping[str, str]) -> str:
+    """How `env`'s planner reads the energy over the horizon: `overrides[env.name]` (params `evaluate.energy`) or its own."""
+    over = overrides.get(env.name, env.goal_energy_over)
+    check_energy_over(over)
+    return over
+
+
+def over_horizon(e_SH: torch.Tensor, over: str) -> torch.Tensor:
+    """Per-step energies [S, H] → one cost per sequence [S]: the last step's ("final") or the horizon's mean ("mean")."""
+    check_energy_over(over)
+    return e_SH[:, -1] if over == "final" else e_SH.mean(dim=1)
+
+
+def goal_energy(goal_z_ND: torch.Tensor, goal_q_Q: torch.Tensor, visual_weight: float, proprio_weights_Q: torch.Tensor,
+                over: str = "final"):
+    """Energy of predicted observations (ẑ [S, H, N, D], q̂ [S, H, Q]), read over the horizon by `over_horizon`; at step h
+    visual_weight · mean (ẑ_h − z_g)² + Σ_j w_j (q̂_h,j − q_g,j)² / Σ_j w_j."""
+    check_energy_over(over)
     w_sum = float(proprio_weights_Q.sum())
     proprio_weights_Q = proprio_weights_Q.to(goal_q_Q.device)
 
-    def cost(final: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        z_SND, q_SQ = final
-        e = visual_weight * (z_SND - goal_z_ND[None]).square().mean(dim=(1, 2))
+    def cost(predicted: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        z_SHND, q_SHQ = predicted
+        e = visual_weight * (z_SHND - goal_z_ND[None, None]).square().mean(dim=(2, 3))
         if w_sum > 0:
-            e = e + ((q_SQ - goal_q_Q[None]).square() * proprio_weights_Q[None]).sum(1) / w_sum
-        return e  # [S]
+            e = e + ((q_SHQ - goal_q_Q[None, None]).square() * proprio_weights_Q).sum(2) / w_sum
+        return over_horizon(e, over)  # [S]
 
     return cost
 
 
 def model_rollout_fn(model: WorldModel, embodiment: str, z_CND: torch.Tensor, q_CQ: torch.Tensor, past_CK: torch.Tensor):
-    """Callable for CEM: actions [S, H, K] → predicted final observation (ẑ [S, N, D], q̂ [S, Q]).
+    """Callable for CEM: actions [S, H, K] → the predicted observations after each of them (ẑ [S, H, N, D], q̂ [S, H, Q]).
 
     `past_CK` holds the C − 1 actions taken between the context's observations (C ≥ 1)."""
 
     def run(actions_SHK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         S = actions_SHK.shape[0]
         acts = torch.cat([past_CK[None].expand(S, -1, -1), actions_SHK], dim=1).to(z_CND.device)  # [S, C-1+H, K]
-        z, q = rollout(model.predictor_for(embodiment), z_CND[None].expand(S, -1, -1, -1), q_CQ[None].expand(S, -1, -1), model.action_heads[embodiment](acts))
-        return z[:, -1], q[:, -1]
+        return rollout(model.predictor_for(embodiment), z_CND[None].expand(S, -1, -1, -1), q_CQ[None].expand(S, -1, -1), model.action_heads[embodiment](acts))
 
     return run
 
 
-def oracle_rollout_fn(env: Embodiment):
-    """Callable for CEM: actions [S, H, K] → the success criterion's distance after the true simulator runs them [S]."""
+def oracle_rollout_fn(env: Embodiment, over: str = "final"):
+    """Callable for CEM: actions [S, H, K] → the success criterion's distance after the true simulator runs them, read
+    over the horizon like the models' energy (`over_horizon`) [S]."""
+    check_energy_over(over)
 
     def run(actions_SHK: torch.Tensor) -> torch.Tensor:
         start = env.snapshot()
-        costs = torch.empty(actions_SHK.shape[0])
+        dist_SH = torch.empty(actions_SHK.shape[:2])
         for s, seq in enumerate(actions_SHK.numpy()):
-            for a in seq:
+            for h, a in enumerate(seq):
                 env.step(a)
-            costs[s] = env.goal_distance()
+                dist_SH[s, h] = env.goal_distance()
             env.restore(start)
-        return costs
+        return over_horizon(dist_SH, over)
 
     return run
 
@@ -133,12 +161,14 @@ class History:
 
 @torch.no_grad()
 def run_episode(env: Embodiment, seed: int, max_steps: int, agent: Agent, cfg: CEMConfig, gen: torch.Generator,
-                execute_steps: int = 1, context: int = 1, proprio_width: int = 16) -> tuple[bool, list[float]]:
-    """One closed-loop episode. Returns (success, plan seconds).
+                execute_steps: int = 1, context: int = 1, proprio_width: int = 16, energy: str = "final") -> tuple[bool, list[float]]:
+    """One closed-loop episode. Returns (success, plan seconds). `energy`: how the planner reads the energy over the
+    horizon (`ENERGY_OVER`), for a model and the oracle alike.
 
     Receding horizon: plan H actions, execute the first `execute_steps` in the simulator, replan
     from the new observation history with the rest of the plan as the warm start.
     """
+    check_energy_over(energy)
     env.reset_eval(seed)
     rng = np.random.default_rng(seed)
     plan_seconds: list[float] = []
@@ -151,7 +181,7 @@ def run_episode(env: Embodiment, seed: int, max_steps: int, agent: Agent, cfg: C
         device = model_device(agent)
         goal_z = agent.encoder(to_device(frames_to_tensor(goal.frame), device)[None, None])[0, 0]  # [N, D]
         goal_q = proprio_features(goal.proprio, env.name, proprio_width).to(device)
-        cost = goal_energy(goal_z, goal_q, *energy_weights(env, proprio_width))
+        cost = goal_energy(goal_z, goal_q, *energy_weights(env, proprio_width), over=energy)
     for _ in range(max_steps):
         if env.success():
             return True, plan_seconds
@@ -167,7 +197,7 @@ def run_episode(env: Embodiment, seed: int, max_steps: int, agent: Agent, cfg: C
                     z_c, q_c, past = hist.context(context)
                     plan, _ = cem_plan(model_rollout_fn(agent, env.name, z_c, q_c, past), cost, env.action_dim, cfg, gen, plan)
                 else:
-                    plan, _ = cem_plan(oracle_rollout_fn(env), lambda d: d, env.action_dim, cfg, gen, plan)
+                    plan, _ = cem_plan(oracle_rollout_fn(env, energy), lambda d: d, env.action_dim, cfg, gen, plan)
                 plan_seconds.append(time.perf_counter() - t0)
                 queued = [plan[i].clone() for i in range(execute_steps)]
                 for _ in range(execute_steps):
@@ -180,11 +210,11 @@ def run_episode(env: Embodiment, seed: int, max_steps: int, agent: Agent, cfg: C
 
 
 def evaluate(env: Embodiment, seeds: Sequence[int], max_steps: int, agent: Agent, cfg: CEMConfig, gen: torch.Generator,
-             execute_steps: int = 1, context: int = 1, proprio_width: int = 16) -> dict[str, float]:
+             execute_steps: int = 1, context: int = 1, proprio_width: int = 16, energy: str = "final") -> dict[str, float]:
     """Success rate, its Wilson 95% CI and mean plan time over the given episode seeds."""
     wins, times = 0, []
     for seed in seeds:
-        ok, t = run_episode(env, seed, max_steps, agent, cfg, gen, execute_steps, context, proprio_width)
+        ok, t = run_episode(env, seed, max_steps, agent, cfg, gen, execute_steps, context, proprio_width, energy)
         wins += int(ok)
         times.extend(t)
     low, high = wilson_interval(wins, len(seeds))

@@ -10,7 +10,7 @@ import torch
 from lensemble.config import Params
 from lensemble.dynamics import dynamics_report, world_probe_r2, world_probe_set
 from lensemble.errors import DataError
-from lensemble.evaluation import ORACLE, evaluate
+from lensemble.evaluation import ORACLE, evaluate, planning_energy
 from lensemble.model.world_model import WorldModel, load_federated
 from lensemble.paths import Layout
 from lensemble.planning.cem import CEMConfig
@@ -78,6 +78,7 @@ def evaluate_models(params: Params, layout: Layout, site: str, names: tuple[str,
     env = make_embodiment(embodiment, params.data.image_size)
     env.set_success_criterion(params.evaluate.success.get(embodiment, env.criterion))
     cfg = CEMConfig(c.samples, c.elites, c.iterations, c.horizon)
+    energy = planning_energy(env, params.evaluate.energy)
     seeds = eval_seeds(params, embodiment)
     out = {}
     try:
@@ -87,13 +88,14 @@ def evaluate_models(params: Params, layout: Layout, site: str, names: tuple[str,
         for i, (name, model) in enumerate(models.items(), start=1):
             gen = generator(params.run.seed, f"cem/{name}", participant=site)
             t0 = time.monotonic()
-            out[name] = evaluate(env, seeds, params.evaluate.max_steps, model, cfg, gen, c.execute_steps, c.context, params.model.proprio_dim)
+            out[name] = evaluate(env, seeds, params.evaluate.max_steps, model, cfg, gen, c.execute_steps, c.context,
+                                 params.model.proprio_dim, energy)
             log.info(f"evaluate {site}: agent {i}/{len(models)} {name}, success {out[name]['success_rate']:.2f} over "
                      f"{len(seeds)} episodes, {time.monotonic() - t0:.1f} s")
     finally:
         env.close()
     return {"embodiment": embodiment, "success_criterion": f"{env.criterion}: {env.success_criteria[env.criterion]}",
-            "max_steps": params.evaluate.max_steps, "diagnostics": diagnostics, **out}
+            "max_steps": params.evaluate.max_steps, "energy": energy, "diagnostics": diagnostics, **out}
 
 
 def evaluated_models(params: Params) -> tuple[str, ...]:

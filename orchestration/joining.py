@@ -30,7 +30,7 @@ from lensemble.data.audit import load_index
 from lensemble.data.episodes import read_episodes
 from lensemble.data.residency import ResidencyGuard
 from lensemble.errors import ConfigError, DataError
-from lensemble.evaluation import ORACLE, evaluate
+from lensemble.evaluation import ORACLE, evaluate, planning_energy
 from lensemble.model.world_model import WorldModel, load_federated
 from lensemble.paths import Layout
 from lensemble.planning.cem import CEMConfig
@@ -105,7 +105,7 @@ def run_join(params: Params, layout: Layout, name: str) -> dict:
         for agent_name, agent in agents.items():
             gen = generator(params.run.seed, f"cem/join/{agent_name}", participant=name)
             success[agent_name] = evaluate(env, seeds, params.evaluate.max_steps, agent, cfg, gen, c.execute_steps, c.context,
-                                           params.model.proprio_dim)
+                                           params.model.proprio_dim, planning_energy(env, params.evaluate.energy))
     finally:
         env.close()
     wins = {a: round(success[a]["success_rate"] * len(seeds)) for a in AGENTS}

@@ -223,3 +223,10 @@ def test_check_params_on_a_good_file_prints_its_hash(tmp_path):
     assert proc.returncode == 0, proc.stderr
     digest = parse_params({**BASE, "dp": {"enabled": True}}).hash()
     assert proc.stdout.strip() == f"{tmp_path / 'params.yaml'} is valid (params hash {digest})"
+
+
+def test_planning_energy_names_a_known_embodiment_and_a_known_reading():
+    assert _error(_with(("evaluate", "energy"), {"mujoco_point": "sum"})) == (
+        "evaluate.energy.mujoco_point: Input should be 'final' or 'mean', got 'sum'")
+    assert _error(_with(("evaluate", "energy"), {"ant": "mean"})).startswith("evaluate.energy: unknown embodiment 'ant'; known: [")
+    assert parse_params(_with(("evaluate", "energy"), {"pusht": "mean"})).evaluate.energy == {"pusht": "mean"}

@@ -58,7 +58,8 @@ import numpy as np  # noqa: E402
 
 from lensemble.errors import DataError  # noqa: E402
 from lensemble.evaluation import (  # noqa: E402
-    ORACLE, GoalObservation, History, check_goal, energy_weights, evaluate, goal_energy, goal_observation)
+    ORACLE, GoalObservation, History, check_goal, energy_weights, evaluate, goal_energy, goal_observation, oracle_rollout_fn,
+    planning_energy)
 from lensemble.sim.gridworld import PointAgent  # noqa: E402
 
 
@@ -79,12 +80,14 @@ def test_a_goal_without_proprio_for_an_embodiment_that_has_it_is_refused():
 def test_goal_energy_is_the_weighted_distance_in_closed_form():
     goal_z, goal_q = torch.zeros(2, 3), torch.tensor([1.0, 2.0, 0.0, 0.0])
     w = torch.tensor([0.0, 2.0, 1.0, 0.0])
-    z = torch.ones(5, 2, 3) * torch.arange(5.0)[:, None, None]
-    q = torch.zeros(5, 4)
-    q[:, 2] = torch.arange(5.0)
-    e = goal_energy(goal_z, goal_q, 0.5, w)((z, q))
-    expected = 0.5 * torch.arange(5.0) ** 2 + (2 * 4.0 + torch.arange(5.0) ** 2) / 3.0
-    assert torch.allclose(e, expected)
+    # 5 sequences of 3 predicted steps: at step h sequence s sits at s + h in every latent entry and proprio 2
+    at_SH = torch.arange(5.0)[:, None] + torch.arange(3.0)[None]
+    z = torch.ones(5, 3, 2, 3) * at_SH[:, :, None, None]
+    q = torch.zeros(5, 3, 4)
+    q[:, :, 2] = at_SH
+    per_step = 0.5 * at_SH ** 2 + (2 * 4.0 + at_SH ** 2) / 3.0  # [S, H]
+    assert torch.allclose(goal_energy(goal_z, goal_q, 0.5, w)((z, q)), per_step[:, -1])
+    assert torch.allclose(goal_energy(goal_z, goal_q, 0.5, w, over="mean")((z, q)), per_step.mean(1))
     # the reacher's weights read only the fingertip; velocities never count
     from lensemble.sim.registry import embodiment_class
 
@@ -115,7 +118,41 @@ def test_the_oracle_plans_with_the_true_simulator_and_leaves_the_episode_untouch
     # planning rolls the simulator forward and restores it: the state after planning is the state before
     env.reset_eval(3)
     before = env.snapshot()
-    from lensemble.evaluation import oracle_rollout_fn
-
     costs = oracle_rollout_fn(env)(torch.rand(8, 3, 2) * 2 - 1)
     assert costs.shape == (8,) and np.array_equal(env.snapshot(), before)
+
+
+def test_the_mean_energy_prefers_arriving_early_and_final_cannot_tell():
+    """Two plans that end on the goal: one there after the first step and staying, one only at the last step.
+    Read at the last step they tie; averaged over the horizon the early arrival wins, for a model's energy and for the
+    oracle's true distances alike (each the mean of the distances after every prefix of the plan)."""
+    env = PointAgent(image_size=8)
+    env.reset_eval(0)
+    env.goal, env.pos = np.array([0.5, 0.5]), np.array([0.6, 0.5])  # one step (0.1) right of the goal
+    early = torch.tensor([[-1.0, 0.0], [0.0, 0.0], [0.0, 0.0]])  # step onto the goal, then stay
+    late = torch.tensor([[0.0, 0.0], [0.0, 0.0], [-1.0, 0.0]])  # wait, then step onto it
+    plans = torch.stack([early, late])
+    final = oracle_rollout_fn(env, "final")(plans)
+    mean = oracle_rollout_fn(env, "mean")(plans)
+    assert final[0] == pytest.approx(final[1], abs=1e-6) and final[0] == pytest.approx(0.0, abs=1e-6)
+    assert mean[0] == pytest.approx(0.0, abs=1e-6) and mean[1] == pytest.approx(2 * 0.1 / 3, rel=1e-5)
+    # the same plans as a model would predict them (proprio = position), through the model energy
+    q = torch.tensor(env.pos, dtype=torch.float32) + torch.cumsum(plans * 0.1, dim=1)  # [2, 3, 2]
+    z = torch.zeros(2, 3, 1, 1)
+    goal_q = torch.tensor(env.goal, dtype=torch.float32)
+    e_final = goal_energy(torch.zeros(1, 1), goal_q, 0.0, torch.ones(2))((z, q))
+    e_mean = goal_energy(torch.zeros(1, 1), goal_q, 0.0, torch.ones(2), over="mean")((z, q))
+    assert e_final[0] == pytest.approx(e_final[1], abs=1e-9) and e_mean[0] < e_mean[1]
+
+
+def test_each_embodiment_reads_its_energy_its_own_way_unless_params_say_otherwise():
+    from lensemble.sim.registry import embodiment_class
+
+    assert planning_energy(embodiment_class("mujoco_point"), {}) == "mean"
+    assert planning_energy(embodiment_class("mujoco_reacher"), {}) == "mean"
+    assert planning_energy(embodiment_class("pusht"), {}) == "final"  # pushing must leave the goal to reach it
+    assert planning_energy(embodiment_class("mujoco_point"), {"mujoco_point": "final"}) == "final"
+    with pytest.raises(ValueError, match=r"unknown planning energy 'sum' \(evaluate.energy\); known: final, mean$"):
+        planning_energy(embodiment_class("pusht"), {"pusht": "sum"})
+    with pytest.raises(ValueError, match="unknown planning energy"):
+        goal_energy(torch.zeros(1, 1), torch.zeros(2), 1.0, torch.ones(2), over="last")

@@ -27,6 +27,9 @@ class Embodiment(ABC):
     proprio_scale: tuple[float, ...] = ()
     goal_proprio_weights: tuple[float, ...] = ()
     goal_visual_weight: float = 1.0
+    # how the planning energy is read over the horizon (lensemble.evaluation.ENERGY_OVER): "final", the last planned
+    # step's (DINO-WM's, for tasks that must leave the goal to reach it, e.g. pushing); "mean", every step's (reaching tasks)
+    goal_energy_over: str = "final"
     state_components: tuple[int, ...] = ()  # proprio components the embedding's linear probe must recover (position, fingertip)
     # name → what success() measures, with its tolerance (stated in reports); the first is the default
     success_criteria: dict[str, str] = {}

@@ -266,6 +266,7 @@ class MujocoPointMass(_MujocoEmbodiment):
     proprio_scale = (0.15, 0.15, 0.2, 0.2)
     goal_proprio_weights = (1.0, 1.0, 0.0, 0.0)
     goal_visual_weight = 0.0
+    goal_energy_over = "mean"  # a reaching task: arrive early and stay (see params.yaml evaluate.energy)
     state_components = (0, 1)
     success_criteria = {"position": "puck centre within 0.03 m of the target"}
     xml = POINT_MASS_XML
@@ -304,6 +305,7 @@ class MujocoReacher(_MujocoEmbodiment):
     proprio_scale = (1.0,) * 9 + (0.15, 0.15)
     goal_proprio_weights = (0.0,) * 9 + (1.0, 1.0)
     goal_visual_weight = 0.0
+    goal_energy_over = "mean"  # a reaching task: arrive early and stay (see params.yaml evaluate.energy)
     state_components = (9, 10)
     success_criteria = {"fingertip": "fingertip within 0.03 m of the target"}
     xml = REACHER_XML
