@@ -33,7 +33,7 @@ def micro_params() -> dict:
     raw["objective"]["sigreg_tokens"] = 64
     raw["train"]["batch_size"] = 4
     raw["centralized"]["steps"] = 4
-    raw["federate"].update(rounds=2, inner_steps=3)
+    raw["federate"].update(rounds=2, inner_steps=3, head_adapt_steps=50)
     raw["evaluate"].update(episodes=2, max_steps=3)
     raw["objective"]["rollout_steps"] = 1
     raw["evaluate"]["cem"].update(samples=8, elites=2, iterations=1, horizon=2, execute_steps=2, context=1)
