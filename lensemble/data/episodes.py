@@ -60,9 +60,13 @@ class Episodes:
 
 
 def exploration_episode(
-    env: Embodiment, seed: int, length: int, noise: float, random_fraction: float, segment: int
+    env: Embodiment, seed: int, length: int, noise: float, random_fraction: float, segment: int,
+    snapshots: list[object] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One episode: frames [L, H, W, 3], actions [L, K], proprio [L, P]."""
+    """One episode: frames [L, H, W, 3], actions [L, K], proprio [L, P].
+
+    `snapshots`: a list that receives the simulator state at each step, before its action (L of them),
+    for replaying a step under other actions (`lensemble.counterfactual`); the episode is the same either way."""
     rng = np.random.default_rng(seed)
     env.reset(seed)
     frames, actions, proprio = [], [], []
@@ -71,6 +75,8 @@ def exploration_episode(
         if t % segment == 0:
             use_random = bool(rng.random() < random_fraction)
         action = env.random_action(rng) if use_random else env.expert_action(rng, noise)
+        if snapshots is not None:
+            snapshots.append(env.snapshot())
         frames.append(env.render())
         proprio.append(env.proprio())
         actions.append(np.clip(action, -1.0, 1.0).astype(np.float32))
