@@ -50,7 +50,7 @@ def override(raw: dict, assignment: str) -> None:
 
 def episodes(params, emb: str, namespace: str, count: int, cache: Path):
     d = params.data
-    path = cache / f"{emb}-{namespace}-{count}-{d.image_size}-{d.episode_length}-{d.expert_noise}-{d.random_fraction}.parquet"
+    path = cache / f"{emb}-{namespace}-{count}-{d.image_size}-{d.episode_length}-{d.expert_noise}-{d.random_fraction}-{d.segment_length}-seed{params.run.seed}.parquet"
     if not path.is_file():
         env = make_embodiment(emb, d.image_size)
         write_episodes(generate_episodes(env, params.run.seed, namespace, count, d.episode_length, d.expert_noise,
