@@ -219,7 +219,10 @@ def _stop(proc: subprocess.Popen, group: bool = False, grace: float = 30.0) -> N
     fail a test whose work is done."""
     def send(sig: int) -> None:
         try:
-            os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
+            if group:
+                os.killpg(proc.pid, sig)
+            else:
+                proc.send_signal(sig)
         except ProcessLookupError:
             pass
 
