@@ -18,6 +18,7 @@ from mlflow.utils.validation import MAX_DATASET_DIGEST_SIZE
 
 from lensemble.data.episodes import SCHEMA
 from lensemble.paths import Layout
+from orchestration.tracking import patient
 
 CONTEXT_TAG = "mlflow.data.context"  # MLflow's own tag: the role of a dataset in the run
 
@@ -61,5 +62,5 @@ def log_site_datasets(client: MlflowClient, run_id: str, manifests: Mapping[str,
     """Record every site's store (and the public probe) as dataset inputs of `run_id`; returns the count."""
     inputs = site_dataset_inputs(manifests, root)
     if inputs:
-        client.log_inputs(run_id, datasets=inputs)
+        patient(lambda: client.log_inputs(run_id, datasets=inputs))
     return len(inputs)

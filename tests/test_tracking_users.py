@@ -1,7 +1,10 @@
 """What users compare in DVC and MLflow: one parent per configuration, numeric summaries, per-site keys, live metrics."""
 from __future__ import annotations
 
+import sqlite3
 import subprocess
+import sys
+import threading
 import time
 from concurrent.futures import Future
 
@@ -11,7 +14,7 @@ from lensemble.observability.manifest import git_state
 from lensemble.observability.metrics import MetricsSink
 from lensemble.observability.summary import flat, summarize
 from orchestration.runner import MetricsMirror, _OpenRun, mlflow_key, site_means
-from orchestration.tracking import Tracker, tracking_uri
+from orchestration.tracking import Tracker, patient, tracking_uri
 
 
 def _git(root, *args):
@@ -100,6 +103,77 @@ def test_an_experiment_made_before_the_kind_existed_gets_it(tmp_path, monkeypatc
     MlflowClient(uri).create_experiment("lensemble")
     tracker = Tracker(tmp_path)
     assert tracker.client.get_experiment(tracker.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+OPEN_STORE = """
+import sys
+from pathlib import Path
+from orchestration.tracking import Tracker
+tracker = Tracker(Path(sys.argv[1]))
+print(tracker.experiment_id, tracker.start_stage(tracker.parent_run("k-c0ffee", {}), "s", {}))
+"""
+
+
+def test_processes_opening_one_fresh_store_at_once_all_record_into_one_experiment(tmp_path, monkeypatch):
+    """Without the set-up lock, two of three such processes died in MLflow's schema migrations ("duplicate column name")."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("LENSEMBLE_PIPELINE_RUN", raising=False)
+    procs = [subprocess.Popen([sys.executable, "-c", OPEN_STORE, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [err.strip().splitlines()[-1:] for _, err in outs]
+    rows = [out.split() for out, _ in outs]
+    assert len({exp for exp, _ in rows}) == 1 and len({run for _, run in rows}) == 3
+    tracker = Tracker(tmp_path)
+    assert len(tracker.client.search_runs([tracker.experiment_id], "tags.`lensemble.kind` = 'pipeline'")) == 1
+
+
+def _write(db):
+    """One write with no busy wait of its own: SQLite's "database is locked" at once while another writer holds the lock."""
+    with sqlite3.connect(db, timeout=0) as conn:
+        conn.execute("INSERT INTO t VALUES (1)")
+    return "written"
+
+
+def _locked_store(tmp_path):
+    db = tmp_path / "store.db"
+    with sqlite3.connect(db) as conn:
+        conn.execute("CREATE TABLE t (x)")
+    holder = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN EXCLUSIVE")
+    with pytest.raises(sqlite3.OperationalError, match="database is locked"):
+        _write(db)
+    return db, holder
+
+
+def test_a_store_call_waits_out_another_writers_lock_and_records_once(tmp_path):
+    db, holder = _locked_store(tmp_path)
+    release = threading.Timer(1.0, lambda: holder.execute("COMMIT"))
+    release.start()
+    calls = []
+    assert patient(lambda: (calls.append(1), _write(db))[1], patience=60) == "written"
+    release.join()
+    assert len(calls) >= 2
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("SELECT count(*) FROM t").fetchone() == (1,)
+
+
+def test_a_lock_held_past_the_patience_or_another_error_is_raised(tmp_path):
+    db, holder = _locked_store(tmp_path)
+    t0 = time.monotonic()
+    with pytest.raises(sqlite3.OperationalError, match="database is locked"):
+        patient(lambda: _write(db), patience=0.6)
+    assert time.monotonic() - t0 >= 0.6
+    holder.execute("COMMIT")
+    calls = []
+
+    def fails():
+        calls.append(1)
+        raise sqlite3.OperationalError("no such table: t2")
+
+    with pytest.raises(sqlite3.OperationalError, match="no such table"):
+        patient(fails, patience=60)
+    assert len(calls) == 1  # only a lock is waited out
 
 
 @pytest.mark.parametrize("dvc_root", [None, "ws"])
