@@ -15,12 +15,11 @@ MLflow is imported when a `Tracker` is made, not with this module: importing it 
 store take about 3 s of CPU, which the stage runner spends on a background thread (see runner.py).
 
 Several processes share one SQLite store (DVC's stages, an ablation's points, a pipeline and its
-stages). SQLite lets one writer at a time; MLflow's sessions wait 20 s for the lock and its store set-up
-5 s, which a loaded machine can exceed (a niced opening thread holding the lock, a fresh store's
-schema migration in another process), and two processes setting up a fresh store at once collide in
-its migrations: the set-up runs under a file lock beside the store. Every store call therefore retries "database is locked" until
-`LOCK_PATIENCE_SECONDS` have passed since its first try; any other error is raised at once. Each store
-call is one transaction, so a retried call records once.
+stages). Two processes setting up a fresh store at once collide in MLflow's schema migrations, so the
+set-up runs under a file lock beside the store. SQLite lets one writer at a time and MLflow's sessions
+wait 20 s for the lock, which a loaded machine can exceed (a niced thread holding it), so every store
+call retries "database is locked" until `LOCK_PATIENCE_SECONDS` have passed since its first try; any
+other error is raised at once. Each store call is one transaction, so a retried call records once.
 """
 from __future__ import annotations
 
@@ -117,7 +116,8 @@ class Tracker:
             exp = patient(lambda: self.client.get_experiment_by_name(EXPERIMENT))
             if exp is None:
                 artifacts = _artifact_root(uri, root)
-                self.experiment_id = patient(lambda: self.client.create_experiment(EXPERIMENT, artifact_location=artifacts, tags=EXPERIMENT_KIND))
+                self.experiment_id = patient(
+                    lambda: self.client.create_experiment(EXPERIMENT, artifact_location=artifacts, tags=EXPERIMENT_KIND))
             else:
                 self.experiment_id = exp.experiment_id
                 if any(exp.tags.get(k) != v for k, v in EXPERIMENT_KIND.items()):  # a store made before the kind was set
