@@ -30,7 +30,7 @@ import yaml
 
 from lensemble.config import parse_params
 from lensemble.data.episodes import generate_episodes, read_episodes, write_episodes
-from lensemble.dynamics import dynamics_report, rollout_diagnostics
+from lensemble.dynamics import dynamics_report, push_capture, push_windows_for, rollout_diagnostics
 from lensemble.evaluation import ORACLE, evaluate, planning_energy
 from lensemble.planning.cem import CEMConfig
 from lensemble.seeds import generator
@@ -112,6 +112,11 @@ def main(argv: list[str]) -> None:
             seen = rollout_diagnostics(model, first, c.context, c.horizon, p.model.proprio_dim, p.run.seed)
             print(emb, "train", json.dumps({k: (round(v, 3) if isinstance(v, float) else [round(x, 3) for x in v]) for k, v in seen.items()}))
         diag = dynamics_report(model, train[emb], held[emb], c.context, c.horizon, p.model.proprio_dim, p.run.seed)
+        env = make_embodiment(emb, p.data.image_size)
+        pushes = push_windows_for(env, p)  # the evaluate stage's
+        if pushes is not None:
+            diag.update(push_capture(model, pushes, p.model.proprio_dim))
+        env.close()
         out[emb] = diag
         print(emb, json.dumps({k: (round(v, 3) if isinstance(v, float) else [round(x, 3) for x in v]) for k, v in diag.items()}), flush=True)
     if args.no_closed_loop:

@@ -48,6 +48,9 @@ def evaluate_flow(root: str = ".") -> None:
                     ctx.metric(f"eval/{name}/{model}", diag[name], participant=s)
                 for component, r2 in diag.get("world_probe_r2", {}).items():
                     ctx.metric(f"eval/world_probe_r2/{component}/{model}", r2, participant=s)
+                for name in ("push_capture", "push_closer"):
+                    if name in diag:
+                        ctx.metric(f"eval/{name}/{model}", diag[name], participant=s)
             ctx.metric("eval/plan_seconds", res["federated"]["plan_seconds"], participant=s)
         means = {m: sum(r[m]["success_rate"] for r in results.values()) / len(results) for m in agents}
         ctx.measured["eval/success_rate"] = means["federated"]

@@ -11,6 +11,11 @@ Computed on held-out episodes (the public probe set), before any success rate is
   episodes and scored on the held-out ones.
 - `world_probe_r2`: the same probe to the world state only the frame shows (`world_probe_components`:
   PushT's block position and angle, the MuJoCo target), on simulator states drawn for the purpose.
+- `push_capture`: for a robot that pushes its world (PushT's block), how much of a push the 1-step
+  prediction carries: on simulator windows whose step moves the block, the prediction's projection on
+  the latent change from "the step pushed nothing" (the same next frame with the block held where it
+  was) to the true next frame. 0: the predictor moves the agent through the block as if it were not
+  there; 1: it predicts the push. A planner whose model scores near 0 knocks the block it must place.
 
 Shape legend: E episodes, L steps, W windows, C context, H horizon, N tokens, D latent, Q proprio width.
 """
@@ -19,13 +24,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from dataclasses import dataclass
+
 from lensemble.config import Params
-from lensemble.data.episodes import Episodes
+from lensemble.data.episodes import Episodes, exploration_episode
 from lensemble.data.windows import frames_to_tensor, proprio_features
 from lensemble.device import model_device, to_device
 from lensemble.model.predictor import rollout
 from lensemble.model.world_model import WorldModel
 from lensemble.sim.base import Embodiment
+from lensemble.seeds import derive_seed
 from lensemble.sim.registry import embodiment_class
 
 RIDGE_GRID = (1e-2, 1e-1, 1.0, 10.0, 100.0, 1000.0)
@@ -170,6 +178,86 @@ def world_probe_r2(model: WorldModel, frames_PHWC: np.ndarray, targets: dict[str
     if not targets:
         return {}
     return world_probe_scores(encode_episodes(model, frames_PHWC[None])[0].flatten(1).numpy(), targets)
+
+
+PUSH_EPISODES = 16
+PUSH_MIN_MOTION = 0.25  # of the success tolerance: PushT 5 px or 5 degrees in one model step
+
+
+@dataclass(frozen=True)
+class PushWindows:
+    """Simulator windows whose last step moved the pushable world (W of them), with what that step would have shown
+    had it pushed nothing. Drawn from the simulator for diagnostics, never from a site's episodes."""
+
+    embodiment: str
+    context_frames_WCHWC: np.ndarray  # [W, C, H, W, 3] uint8
+    context_proprio_WCP: np.ndarray  # [W, C, P]
+    actions_WCK: np.ndarray  # [W, C, K]: the C − 1 between the context's frames, then the pushing step's
+    next_frames_WHWC: np.ndarray  # [W, H, W, 3]: what the step showed
+    held_frames_WHWC: np.ndarray  # [W, H, W, 3]: the same robot, the world where it was
+    motion_W: np.ndarray  # [W] the world's motion over the success tolerance (`Embodiment.world_motion`)
+
+
+def push_windows(env: Embodiment, seed: int, context: int, length: int, noise: float, random_fraction: float, segment: int,
+                 episodes: int = PUSH_EPISODES, min_motion: float = PUSH_MIN_MOTION) -> PushWindows:
+    """Every step of `episodes` exploration episodes (the training data's expert/random mix, seeded from `seed`) that moves
+    the world by at least `min_motion` of the success tolerance, with its context. ValueError when `env` pushes nothing."""
+    if not env.pushable:
+        raise ValueError(f"{env.name} has no pushable world: push_capture does not apply")
+    ctx_f, ctx_q, acts, nxt, held, motion = [], [], [], [], [], []
+    for e in range(episodes):
+        snaps: list[object] = []
+        frames, actions, proprio = exploration_episode(env, derive_seed(seed, "push_windows", participant=str(e)) % (2**32), length,
+                                                       noise, random_fraction, segment, snaps)
+        for t in range(context - 1, length - 1):
+            m = env.world_motion(snaps[t], snaps[t + 1])
+            if m < min_motion:
+                continue
+            env.restore(env.world_held(snaps[t], snaps[t + 1]))
+            ctx_f.append(frames[t - context + 1 : t + 1])
+            ctx_q.append(proprio[t - context + 1 : t + 1])
+            acts.append(actions[t - context + 1 : t + 1])
+            nxt.append(frames[t + 1])
+            held.append(env.render())
+            motion.append(m)
+    if not motion:
+        raise ValueError(f"no step of {episodes} {env.name} episodes moved its world by {min_motion} of the tolerance")
+    return PushWindows(env.name, np.stack(ctx_f), np.stack(ctx_q), np.stack(acts), np.stack(nxt), np.stack(held), np.asarray(motion))
+
+
+def push_windows_for(env: Embodiment, params: Params) -> PushWindows | None:
+    """The evaluate stage's push windows for `env`: the run's seed, the training data's mix, the planner's context; None when
+    the embodiment pushes nothing."""
+    if not env.pushable:
+        return None
+    d = params.data
+    return push_windows(env, params.run.seed, params.evaluate.cem.context, d.episode_length, d.expert_noise, d.random_fraction,
+                        d.segment_length)
+
+
+def capture_shares(z_hat_WF: torch.Tensor, z_true_WF: torch.Tensor, z_held_WF: torch.Tensor) -> torch.Tensor:
+    """Per window, the prediction's projection on the push: <ẑ − z_held, z_true − z_held> / |z_true − z_held|², [W].
+    0 where ẑ is the held frame's latent (or differs from it only across the push), 1 where it is the true one."""
+    push = (z_true_WF - z_held_WF).double()
+    return ((z_hat_WF - z_held_WF).double() * push).sum(1) / push.square().sum(1).clamp_min(1e-12)
+
+
+@torch.no_grad()
+def push_capture(model: WorldModel, windows: PushWindows, proprio_width: int) -> dict[str, float]:
+    """`push_capture` (median share of each push the 1-step prediction carries, `capture_shares`) and `push_closer` (share
+    of windows whose prediction is nearer the true next latent than the pushed-nothing one)."""
+    model.eval()
+    device = model_device(model)
+    encode = lambda f: model.encoder(to_device(frames_to_tensor(f), device)).float().cpu()  # noqa: E731
+    z_ctx = encode(windows.context_frames_WCHWC)  # [W, C, N, D]
+    z_true, z_held = encode(windows.next_frames_WHWC[:, None])[:, 0], encode(windows.held_frames_WHWC[:, None])[:, 0]
+    q = proprio_features(windows.context_proprio_WCP, windows.embodiment, proprio_width)
+    act = model.action_heads[windows.embodiment](to_device(torch.from_numpy(windows.actions_WCK), device))
+    z_hat, _ = rollout(model.predictor_for(windows.embodiment), z_ctx.to(device), q.to(device), act)  # [W, 1, N, D]
+    z_hat = z_hat[:, 0].float().cpu().flatten(1)
+    z_true, z_held = z_true.flatten(1), z_held.flatten(1)
+    closer = (z_hat - z_true).square().sum(1) < (z_hat - z_held).square().sum(1)
+    return {"push_capture": float(capture_shares(z_hat, z_true, z_held).median()), "push_closer": float(closer.double().mean())}
 
 
 def dynamics_report(model: WorldModel, train: Episodes, held_out: Episodes, context: int, horizon: int, proprio_width: int,

@@ -412,14 +412,18 @@ def dynamics_lines(f: dict, e: dict) -> list[str]:
     lines = ["## Dynamics diagnostics (held-out probe episodes)", "",
              "Rollout error over copying the last context observation (< 1: better than 'nothing moves'), action sensitivity "
              "(error with shuffled actions ÷ with the real ones; 1: actions ignored), linear-probe R² of the robot's state from the "
-             "embedding, and of the world state only the frame shows (PushT's block, the target) on simulator states drawn for it.", "",
-             "| site | model | latent 1-step ÷ copy | latent H-step ÷ copy | proprio 1-step ÷ copy | action sens. latent | action sens. proprio | probe R² | world probe R² |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "embedding, and of the world state only the frame shows (PushT's block, the target) on simulator states drawn for it; "
+             "for a robot that pushes its world, push capture: the median share of a push (a step that moves the block) the 1-step "
+             "prediction carries, 0 when it predicts the agent passing as if the block were not there, 1 when it predicts the push "
+             "(in brackets: the share of pushes predicted nearer the true frame than the pushed-nothing one).", "",
+             "| site | model | latent 1-step ÷ copy | latent H-step ÷ copy | proprio 1-step ÷ copy | action sens. latent | action sens. proprio | probe R² | world probe R² | push capture |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for site, r in e["sites"].items():
         for model, d in r.get("diagnostics", {}).items():
             world = ", ".join(f"{k} {v:.3f}" for k, v in d.get("world_probe_r2", {}).items()) or "—"
+            push = f"{d['push_capture']:.2f} ({d['push_closer']:.0%})" if "push_capture" in d else "—"
             lines.append(f"| {site} | {model} | {d['rollout_vs_copy'][0]:.3f} | {d['rollout_vs_copy'][-1]:.3f} | {d['rollout_vs_copy_proprio'][0]:.3f} | "
-                         f"{d['action_sensitivity']:.2f} | {d['action_sensitivity_proprio']:.2f} | {d['probe_r2']:.3f} | {world} |")
+                         f"{d['action_sensitivity']:.2f} | {d['action_sensitivity_proprio']:.2f} | {d['probe_r2']:.3f} | {world} | {push} |")
     lines += ["", "Global model entering each round (computed at each site with its own head):", "",
               "| round | site | latent 1-step ÷ copy | action sens. latent | action sens. proprio | probe R² |", "|---|---|---|---|---|---|"]
     for r in f["per_round"]:

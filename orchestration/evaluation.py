@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from lensemble.config import Params
-from lensemble.dynamics import dynamics_report, world_probe_r2, world_probe_set
+from lensemble.dynamics import dynamics_report, push_capture, push_windows_for, world_probe_r2, world_probe_set
 from lensemble.errors import DataError
 from lensemble.evaluation import ORACLE, evaluate, planning_energy
 from lensemble.model.world_model import WorldModel, load_federated
@@ -83,8 +83,11 @@ def evaluate_models(params: Params, layout: Layout, site: str, names: tuple[str,
     out = {}
     try:
         probe_frames, probe_targets = world_probe_set(env, params.run.seed)  # the same states for every model
+        pushes = push_windows_for(env, params)  # the same simulator windows for every model
         for name, d in diagnostics.items():
             d["world_probe_r2"] = world_probe_r2(models[name], probe_frames, probe_targets)
+            if pushes is not None:
+                d.update(push_capture(models[name], pushes, params.model.proprio_dim))
         for i, (name, model) in enumerate(models.items(), start=1):
             gen = generator(params.run.seed, f"cem/{name}", participant=site)
             t0 = time.monotonic()

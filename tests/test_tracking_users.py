@@ -55,6 +55,10 @@ def test_the_evaluation_summary_holds_numbers_only_with_site_means():
     assert s["dynamics"]["federated"] == {"latent_1step_vs_copy": 0.6, "action_sensitivity": 2.5, "probe_r2": 0.5}
     keys = flat(s)
     assert keys["success_rate/random/point"] == 0.0625 and all(isinstance(v, float) for v in keys.values())
+    # push capture: the mean over the sites whose robot pushes its world only, absent when none does
+    pushing = {**EVAL, "sites": {**EVAL["sites"], "b": {"embodiment": "pusht", "diagnostics": {"federated": {
+        **EVAL["sites"]["b"]["diagnostics"]["federated"], "push_capture": 0.25}}}}}
+    assert summarize("evaluate", pushing)["dynamics"]["federated"]["push_capture"] == 0.25
 
 
 def test_the_federation_summary_derives_the_reduction_and_rounds_to_six_digits():

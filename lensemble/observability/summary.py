@@ -65,13 +65,20 @@ def gauge(r: dict) -> dict:
             "drift_vs_pooled_deg": final["federated_vs_centralized"]["drift_angle_deg"], "collapse_tripwire": int(r["collapse_tripwire"])}
 
 
+def _push_capture(diagnostics: list[dict]) -> dict:
+    """{"push_capture": mean over the sites whose robot pushes its world}, or {} when none does."""
+    shares = [d["push_capture"] for d in diagnostics if "push_capture" in d]
+    return {"push_capture": _mean(shares)} if shares else {}
+
+
 def evaluate(r: dict) -> dict:
     success = {m: {emb: row[m] for emb, row in r["embodiments"].items() if m in row} for m in MODELS}
     success = {m: {**v, "mean": r["mean_success_rate"][m]} for m, v in success.items() if v and m in r["mean_success_rate"]}
     diag = {m: [s["diagnostics"][m] for s in r["sites"].values() if m in s.get("diagnostics", {})] for m in DIAGNOSED}
     dynamics = {m: {"latent_1step_vs_copy": _mean([d["rollout_vs_copy"][0] for d in ds]),
                     "action_sensitivity": _mean([d["action_sensitivity"] for d in ds]),
-                    "probe_r2": _mean([d["probe_r2"] for d in ds])} for m, ds in diag.items() if ds}
+                    "probe_r2": _mean([d["probe_r2"] for d in ds]),
+                    **_push_capture(ds)} for m, ds in diag.items() if ds}
     return {"success_rate": success, **({"dynamics": dynamics} if dynamics else {})}
 
 

@@ -36,6 +36,9 @@ class Embodiment(ABC):
     # world state the frame alone shows (PushT's block, the MuJoCo target): what `world_probe_state` returns,
     # read by the world probe (`dynamics.world_probe_r2`); empty: nothing beyond proprioception
     world_probe_components: tuple[str, ...] = ()
+    # the robot moves part of its world by contact (PushT's block): `world_motion` and `world_held` are defined, and
+    # `dynamics.push_capture` reads how much of a push the predictor predicts; False: the world holds still
+    pushable: bool = False
 
     def __init__(self, image_size: int = 64) -> None:
         self.image_size = int(image_size)
@@ -54,6 +57,16 @@ class Embodiment(ABC):
         frame shows beside proprioception, one array per name of `world_probe_components`. Diagnostics only:
         it draws from the simulator, never from a site's episodes. Call `reset` before an episode."""
         raise NotImplementedError(f"{self.name} has no world probe (world_probe_components is empty)")
+
+    def world_motion(self, before: object, after: object) -> float:
+        """How far the pushable world moved between two snapshots, in units of the success criterion's tolerance
+        (1: as far as success tolerates). Only when `pushable`."""
+        raise NotImplementedError(f"{self.name} has no pushable world (pushable is False)")
+
+    def world_held(self, before: object, after: object) -> object:
+        """A snapshot with the robot as in `after` and the pushable world as in `before`, at rest: the state the step
+        would have reached had it pushed nothing. Diagnostics only. Only when `pushable`."""
+        raise NotImplementedError(f"{self.name} has no pushable world (pushable is False)")
 
     @abstractmethod
     def reset(self, seed: int) -> None:

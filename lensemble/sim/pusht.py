@@ -140,6 +140,7 @@ class PushT(Embodiment):
     }
 
     world_probe_components = ("block_xy", "block_angle")
+    pushable = True
 
     def world_probe_state(self, rng: np.random.Generator) -> dict[str, np.ndarray]:
         """Agent and block at random (gym-pusht's start ranges), the goal region at PushT's fixed goal pose: the
@@ -322,6 +323,15 @@ class PushT(Embodiment):
     def snapshot(self) -> tuple:
         a, b = self.env.agent, self.env.block
         return (tuple(a.position), tuple(a.velocity), tuple(b.position), b.angle, tuple(b.velocity), b.angular_velocity)
+
+    def world_motion(self, before: tuple, after: tuple) -> float:
+        """The block's displacement between two snapshots over the success tolerances (20 px, π/9), the larger of the two."""
+        moved = float(np.hypot(after[2][0] - before[2][0], after[2][1] - before[2][1]))
+        return max(moved / SUCCESS_DIST_PX, abs(wrap_angle(after[3] - before[3])) / SUCCESS_ANGLE)
+
+    def world_held(self, before: tuple, after: tuple) -> tuple:
+        """`after`'s agent (position and velocity) with `before`'s block pose, the block at rest."""
+        return (after[0], after[1], before[2], before[3], (0.0, 0.0), 0.0)
 
     def restore(self, snap: tuple) -> None:
         a_pos, a_vel, b_pos, b_angle, b_vel, b_angvel = snap
