@@ -21,10 +21,10 @@ Shape legend: E episodes, L steps, W windows, C context, H horizon, N tokens, D 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
-
-from dataclasses import dataclass
 
 from lensemble.config import Params
 from lensemble.data.episodes import Episodes, exploration_episode
@@ -32,8 +32,8 @@ from lensemble.data.windows import frames_to_tensor, proprio_features
 from lensemble.device import model_device, to_device
 from lensemble.model.predictor import rollout
 from lensemble.model.world_model import WorldModel
-from lensemble.sim.base import Embodiment
 from lensemble.seeds import derive_seed
+from lensemble.sim.base import Embodiment
 from lensemble.sim.registry import embodiment_class
 
 RIDGE_GRID = (1e-2, 1e-1, 1.0, 10.0, 100.0, 1000.0)
@@ -248,7 +248,10 @@ def push_capture(model: WorldModel, windows: PushWindows, proprio_width: int) ->
     of windows whose prediction is nearer the true next latent than the pushed-nothing one)."""
     model.eval()
     device = model_device(model)
-    encode = lambda f: model.encoder(to_device(frames_to_tensor(f), device)).float().cpu()  # noqa: E731
+
+    def encode(frames_WTHWC: np.ndarray) -> torch.Tensor:
+        return model.encoder(to_device(frames_to_tensor(frames_WTHWC), device)).float().cpu()  # [W, T, N, D]
+
     z_ctx = encode(windows.context_frames_WCHWC)  # [W, C, N, D]
     z_true, z_held = encode(windows.next_frames_WHWC[:, None])[:, 0], encode(windows.held_frames_WHWC[:, None])[:, 0]
     q = proprio_features(windows.context_proprio_WCP, windows.embodiment, proprio_width)
