@@ -6,6 +6,7 @@ reads them and writes what these return. The verdict's rule is `VERDICT_RULE`, s
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,9 +141,27 @@ def judge(embodiment: str, counts: dict[str, Count]) -> Verdict:
     return Verdict(embodiment, counts, p_pooled, p_local, p_random, p_pooled_random, outcome, tuple(readings))
 
 
+def push_reading(sites: dict, embodiment: str) -> str | None:
+    """For a robot that pushes its world: the share of a push each world model's 1-step prediction carries (push capture,
+    mean over the embodiment's sites), the first thing to read when its models plan far below the oracle; None otherwise."""
+    rows = [r for r in sites.values() if r["embodiment"] == embodiment]
+    shares = {m: [r["diagnostics"][m]["push_capture"] for r in rows if "push_capture" in r.get("diagnostics", {}).get(m, {})]
+              for m in MODELS}
+    means = {m: sum(v) / len(v) for m, v in shares.items() if v}
+    if not means:
+        return None
+    return ("its models predict " + ", ".join(f"{LABELS[m]} {v:.2f}" for m, v in means.items())
+            + " of a push (push capture: 0, the agent passes through the block as if it were not there; 1, the push as it happens)")
+
+
 def verdicts(evaluation: dict) -> list[Verdict]:
-    """One verdict per embodiment of eval.json, in its `embodiments` order."""
-    return [judge(emb, embodiment_counts(evaluation["sites"], emb)) for emb in evaluation["embodiments"]]
+    """One verdict per embodiment of eval.json, in its `embodiments` order; a pushing robot's verdict also reads its push capture."""
+    out = []
+    for emb in evaluation["embodiments"]:
+        v = judge(emb, embodiment_counts(evaluation["sites"], emb))
+        push = push_reading(evaluation["sites"], emb)
+        out.append(v if push is None else dataclasses.replace(v, readings=(*v.readings, push)))
+    return out
 
 
 def verdict_lines(rows: list[Verdict]) -> list[str]:

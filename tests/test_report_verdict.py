@@ -87,6 +87,18 @@ def test_federated_at_chance_is_not_above_random():
     assert v.readings[1] == "local-only not trained" and v.readings[2].startswith("not distinguishable from random")
 
 
+def test_a_pushing_robots_verdict_reads_how_much_of_a_push_each_model_predicts():
+    rates = {"centralized": 0.0625, "federated": 0.0, "local_only": 0.0625, "oracle": 1.0, "random": 0.0}
+    ev = _eval(rates, embodiment="pusht")
+    ev["sites"]["site_b"] = {**ev["sites"]["site_a"]}
+    ev["sites"]["site_a"]["diagnostics"] = {"centralized": {"push_capture": 0.2}, "federated": {"push_capture": 0.1}}
+    ev["sites"]["site_b"]["diagnostics"] = {"centralized": {"push_capture": 0.4}, "federated": {"push_capture": 0.3}}
+    (v,) = verdicts(ev)
+    assert v.outcome == "inconclusive" and v.readings[-1].startswith("its models predict pooled 0.30, federated 0.20 of a push")
+    (plain,) = verdicts(_eval(rates, embodiment="point"))  # no push capture: the readings are the rule's alone
+    assert not any("push" in r for r in plain.readings) and len(v.readings) == len(plain.readings) + 1
+
+
 def test_pooled_no_better_than_random_is_inconclusive():
     v = judge("pusht", {m: Count(0, 16) for m in ("centralized", "federated", "local_only", "random")})
     assert v.outcome == "inconclusive" and v.readings[-1].startswith("pooled itself not above random")
