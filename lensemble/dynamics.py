@@ -196,6 +196,7 @@ class PushWindows:
     next_frames_WHWC: np.ndarray  # [W, H, W, 3]: what the step showed
     held_frames_WHWC: np.ndarray  # [W, H, W, 3]: the same robot, the world where it was
     motion_W: np.ndarray  # [W] the world's motion over the success tolerance (`Embodiment.world_motion`)
+    snapshots_W: tuple[tuple[object, object], ...]  # the simulator's state before and after each pushing step
 
 
 def push_windows(env: Embodiment, seed: int, context: int, length: int, noise: float, random_fraction: float, segment: int,
@@ -204,7 +205,7 @@ def push_windows(env: Embodiment, seed: int, context: int, length: int, noise: f
     the world by at least `min_motion` of the success tolerance, with its context. ValueError when `env` pushes nothing."""
     if not env.pushable:
         raise ValueError(f"{env.name} has no pushable world: push_capture does not apply")
-    ctx_f, ctx_q, acts, nxt, held, motion = [], [], [], [], [], []
+    ctx_f, ctx_q, acts, nxt, held, motion, snapshots = [], [], [], [], [], [], []
     for e in range(episodes):
         snaps: list[object] = []
         frames, actions, proprio = exploration_episode(env, derive_seed(seed, "push_windows", participant=str(e)) % (2**32), length,
@@ -220,9 +221,11 @@ def push_windows(env: Embodiment, seed: int, context: int, length: int, noise: f
             nxt.append(frames[t + 1])
             held.append(env.render())
             motion.append(m)
+            snapshots.append((snaps[t], snaps[t + 1]))
     if not motion:
         raise ValueError(f"no step of {episodes} {env.name} episodes moved its world by {min_motion} of the tolerance")
-    return PushWindows(env.name, np.stack(ctx_f), np.stack(ctx_q), np.stack(acts), np.stack(nxt), np.stack(held), np.asarray(motion))
+    return PushWindows(env.name, np.stack(ctx_f), np.stack(ctx_q), np.stack(acts), np.stack(nxt), np.stack(held), np.asarray(motion),
+                       tuple(snapshots))
 
 
 def push_windows_for(env: Embodiment, params: Params) -> PushWindows | None:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from lensemble.counterfactual import counterfactual_windows, motion_share, state_readout_error
+from lensemble.counterfactual import counterfactual_windows, motion_share, push_readout_capture, state_readout_error
 from lensemble.data.episodes import exploration_episode
 from lensemble.sim.gridworld import PointAgent
 from lensemble.sim.registry import make_embodiment
@@ -93,3 +93,12 @@ def test_state_readout_error_reads_a_smooth_function_and_not_noise():
     assert state_readout_error(x[:1000], smooth[:1000], x[1000:], smooth[1000:], seed=0, steps=1000, width=64) < 0.15
     noise = torch.randn(1500, 2, generator=gen)
     assert state_readout_error(x[:1000], noise[:1000], x[1000:], noise[1000:], seed=0, steps=500, width=64) > 0.9
+
+
+def test_push_readout_capture_reads_a_push_that_is_a_smooth_function_of_the_state_and_not_one_that_is_noise():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1200, 4, generator=gen)
+    smooth = torch.stack([torch.sin(x[:, 0]) + x[:, 1], x[:, 2] * x[:, 3], torch.cos(x[:, 1]) - 1.0], dim=1)  # [1200, 3]
+    noise = torch.randn(1200, 3, generator=gen)
+    assert push_readout_capture(x[:1000], smooth[:1000], x[1000:], smooth[1000:], seed=0, steps=1000, width=64) > 0.85
+    assert abs(push_readout_capture(x[:1000], noise[:1000], x[1000:], noise[1000:], seed=0, steps=500, width=64)) < 0.15

@@ -51,6 +51,7 @@ def test_world_motion_reads_the_block_in_units_of_the_success_tolerance(pusht):
     moved = ((120.0, 100.0), (5.0, 0.0), (210.0, 200.0), 0.3, (1.0, 0.0), 0.0)
     turned = ((100.0, 100.0), (0.0, 0.0), (200.0, 200.0), 0.3 + 2 * SUCCESS_ANGLE, (0.0, 0.0), 0.5)
     assert pusht.world_motion(before, before) == 0.0
+    np.testing.assert_allclose(pusht.state_vector(moved), [120 / 512, 100 / 512, 5 / 512, 0.0, 210 / 512, 200 / 512, np.cos(0.3), np.sin(0.3)])
     assert pusht.world_motion(before, moved) == pytest.approx(10.0 / SUCCESS_DIST_PX)  # the agent's own motion does not count
     assert pusht.world_motion(before, turned) == pytest.approx(2.0)
     wrapped = ((100.0, 100.0), (0.0, 0.0), (200.0, 200.0), np.pi - 0.01, (0.0, 0.0), 0.0)
@@ -60,7 +61,8 @@ def test_world_motion_reads_the_block_in_units_of_the_success_tolerance(pusht):
 
 def test_push_windows_are_pushes_and_their_held_frame_is_the_next_agent_with_the_previous_block(pusht, windows):
     W = len(windows.motion_W)
-    assert W >= 10 and windows.motion_W.min() >= PUSH_MIN_MOTION
+    assert W >= 10 and windows.motion_W.min() >= PUSH_MIN_MOTION and len(windows.snapshots_W) == W
+    assert all(pusht.world_motion(b, a) == m for (b, a), m in zip(windows.snapshots_W, windows.motion_W))  # each window's own step
     assert windows.context_frames_WCHWC.shape == (W, CONTEXT, 32, 32, 3) and windows.actions_WCK.shape == (W, CONTEXT, 2)
     assert windows.next_frames_WHWC.shape == windows.held_frames_WHWC.shape == (W, 32, 32, 3)
     # the block moved, so every held frame differs from what the step showed

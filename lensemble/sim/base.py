@@ -63,6 +63,11 @@ class Embodiment(ABC):
         (1: as far as success tolerates). Only when `pushable`."""
         raise NotImplementedError(f"{self.name} has no pushable world (pushable is False)")
 
+    def state_vector(self, snap: object) -> np.ndarray:
+        """The true state of a snapshot as numbers, robot and pushable world (diagnostics: what a model could at best read
+        a push from). Only when `pushable`."""
+        raise NotImplementedError(f"{self.name} has no pushable world (pushable is False)")
+
     def world_held(self, before: object, after: object) -> object:
         """A snapshot with the robot as in `after` and the pushable world as in `before`, at rest: the state the step
         would have reached had it pushed nothing. Diagnostics only. Only when `pushable`."""

@@ -331,6 +331,11 @@ class PushT(Embodiment):
         moved = float(np.hypot(after[2][0] - before[2][0], after[2][1] - before[2][1]))
         return max(moved / SUCCESS_DIST_PX, abs(wrap_angle(after[3] - before[3])) / SUCCESS_ANGLE)
 
+    def state_vector(self, snap: tuple) -> np.ndarray:
+        """[agent x, y, vx, vy, block x, y (workspaces, workspaces per second), cos θ, sin θ] of a snapshot."""
+        (ax, ay), (avx, avy), (bx, by), angle = snap[:4]
+        return np.array([*(np.array([ax, ay, avx, avy, bx, by]) / WORKSPACE), np.cos(angle), np.sin(angle)])
+
     def world_held(self, before: tuple, after: tuple) -> tuple:
         """`after`'s agent (position and velocity) with `before`'s block pose, the block at rest."""
         return (after[0], after[1], before[2], before[3], (0.0, 0.0), 0.0)
