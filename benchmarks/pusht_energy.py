@@ -4,8 +4,8 @@ the block or the agent is moved off the goal by the success tolerance (20 px, π
     python benchmarks/world_model_check.py params.yaml --no-closed-loop --save /tmp/pooled.pt
     python benchmarks/pusht_energy.py /tmp/pooled.pt [params.yaml] [--goals 16] [--draws 4]
 
-Prints, per perturbation, the median visual and proprio terms of the energy (`evaluation.goal_energy` at one step:
-PushT's visual weight 1 and agent-position weights), for the saved model, the same architecture untrained and the
+Prints, per perturbation, the median visual and proprio terms of the planner's energy (`evaluation.goal_energy` at
+one planned step, with PushT's `energy_weights`: visual weight 1 and agent-position weights), for the saved model, the same architecture untrained and the
 pixels themselves. If the block's rows are far below the agent's, the planner cannot tell a displaced block from the
 goal; if they are alike, a planner that still knocks the block away has a predictor that does not predict the push
 (`eval/push_capture`).
@@ -22,6 +22,7 @@ import yaml
 
 from lensemble.config import parse_params
 from lensemble.data.windows import frames_to_tensor, proprio_features
+from lensemble.evaluation import energy_weights, goal_energy
 from lensemble.sim.pusht import SUCCESS_ANGLE, SUCCESS_DIST_PX, PushT
 from lensemble.workflow import build_model, eval_seeds
 
@@ -68,7 +69,7 @@ def main(argv: list[str]) -> None:
     env.set_success_criterion("dino_wm")
     states, goal_f, goal_q = perturbed_states(env, list(eval_seeds(p, "pusht"))[: args.goals], args.draws, np.random.default_rng(0))
     env.close()
-    weights = torch.tensor(PushT.goal_proprio_weights)
+    visual_weight, proprio_weights = energy_weights(PushT, p.model.proprio_dim)
     trained = build_model(p, "centralized")
     trained.load_state_dict(torch.load(args.model, map_location="cpu", weights_only=True), strict=False)  # a PushT-only model has one head
     encoders = {"model": trained.encoder.eval(), "untrained": build_model(p, "centralized").encoder.eval(), "pixels": None}
@@ -78,17 +79,25 @@ def main(argv: list[str]) -> None:
         x = frames_to_tensor(frames)
         return x.flatten(1)[:, None] if encoders[name] is None else encoders[name](x[:, None])[:, 0]  # [P, N, D]
 
-    q_goal = proprio_features(goal_q, "pusht", 4)
+    def terms(z_PND: torch.Tensor, q_PQ: torch.Tensor, z_goal_PND: torch.Tensor, q_goal_PQ: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """The planner's own energy (`goal_energy`, one planned step) to each state's goal, its visual and proprio terms apart."""
+        P, draws = len(z_PND), args.draws
+        vis, prop = [], []
+        for g in range(0, P, draws):  # one goal per `draws` consecutive states
+            states = (z_PND[g : g + draws, None], q_PQ[g : g + draws, None])
+            vis.append(goal_energy(z_goal_PND[g], q_goal_PQ[g], visual_weight, torch.zeros_like(proprio_weights))(states))
+            prop.append(goal_energy(z_goal_PND[g], q_goal_PQ[g], 0.0, proprio_weights)(states))
+        return torch.cat(vis).numpy(), torch.cat(prop).numpy()
+
+    q_goal = proprio_features(goal_q, "pusht", p.model.proprio_dim)
     print(f"PushT energy to the goal, median over {args.goals} goals x {args.draws} draws (tolerance: {SUCCESS_DIST_PX:.0f} px, "
           f"{np.rad2deg(SUCCESS_ANGLE):.0f} deg)")
     print(f"{'moved off the goal':<26}" + "".join(f"{n + ' visual':>18}" for n in encoders) + f"{'proprio':>10}")
     for (what, scale), (frames, proprio) in states.items():
-        dq = (proprio_features(proprio, "pusht", 4) - q_goal).square()
-        prop = float(((dq * weights).sum(1) / weights.sum()).median())
-        vis = [float((embed(n, frames) - embed(n, goal_f)).square().mean(dim=(1, 2)).median()) for n in encoders]
+        q = proprio_features(proprio, "pusht", p.model.proprio_dim)
+        rows = [terms(embed(n, frames), q, embed(n, goal_f), q_goal) for n in encoders]
         label = f"{what} {scale:g}x tolerance"
-        print(f"{label:<26}" + "".join(f"{v:>18.4f}" for v in vis) + f"{prop:>10.4f}")
-
+        print(f"{label:<26}" + "".join(f"{np.median(vis):>18.4f}" for vis, _ in rows) + f"{np.median(rows[0][1]):>10.4f}")
 
 if __name__ == "__main__":
     main(sys.argv[1:])
