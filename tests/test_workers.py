@@ -61,6 +61,30 @@ def test_calls_run_in_other_processes_with_their_thread_share(pool, caplog):
     assert messages == ["working on 10", "working on 100", "working on 1000"]  # relayed in order, DEBUG left behind
 
 
+def _tensor_facts(state: dict, other: dict) -> dict:
+    """What a worker received: per argument, each tensor's (name, shape, dtype, bytes) and how many storages hold them."""
+    def facts(d: dict) -> tuple[list, int]:
+        return ([(k, tuple(t.shape), str(t.dtype), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+                 for k, t in d.items()], len({t.untyped_storage().data_ptr() for t in d.values() if t.numel()}))
+    return {"state": facts(state), "other": facts(other), "type": type(state).__name__}
+
+
+def test_a_state_crosses_to_a_worker_as_one_buffer_per_dtype_with_every_bit_kept(pool):
+    """A dict of contiguous CPU tensors travels packed (one storage per dtype in the worker, not one segment per tensor);
+    names, order, shapes, dtypes and bytes arrive unchanged. A dict with a strided view travels as it is."""
+    g = torch.Generator().manual_seed(0)
+    state = {"z.weight": torch.randn(5, 3, generator=g), "a.bias": torch.randn(3, generator=g), "count": torch.tensor(7),
+             "scale": torch.tensor(0.5, dtype=torch.float64), "empty": torch.zeros(0, 4), "ids": torch.arange(6).view(2, 3),
+             "nan": torch.tensor([float("nan"), -0.0, float("inf")])}
+    strided = {"t": torch.randn(4, 6, generator=g).t(), "u": torch.randn(2, generator=g)}
+    sent = _tensor_facts(state, strided)
+    got = pool.call(_tensor_facts, state, other=strided)
+    assert got["state"][0] == sent["state"][0] and got["other"][0] == sent["other"][0]
+    assert got["type"] == "dict"
+    assert got["state"][1] == 3  # float32, int64, float64: three buffers for the seven tensors
+    assert got["other"][1] == 2  # not packable (a transposed view): each tensor its own
+
+
 def test_a_body_s_error_comes_back_as_raised_with_its_last_records(pool, caplog):
     caplog.set_level(logging.INFO, logger="lensemble.progress")
     with pytest.raises(DataError, match="site store site_b is truncated: regenerate it"):
