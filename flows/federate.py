@@ -7,7 +7,7 @@ task (metrics) and the checkpoint commit, so a crash loses at most the round in 
 Prefect artifacts are written by a task submitted beside the next round (collected before the stage
 ends). Sites run as local tasks (threads or Dask) or, with `federate.execution: sovereign`, at the
 sites behind the exchange (orchestration/sites.py). The local-only baselines start with the rounds, in
-lowest-priority workers that train on the CPU time the rounds leave idle (`orchestration.workers.background_pool`).
+background workers that train on the cores the rounds leave free (`orchestration.workers.background_pool`, `CoreShare`).
 After the last round: the sites' head re-fit and the baselines' results, then reports/federate.json; once the stage is committed, a leak scan of
 reports/, the MLflow store and the exchange area against every site's private index
 (`tasks.residency.check_outputs`).
@@ -38,7 +38,7 @@ from orchestration.federation import (
     summarize,
 )
 from orchestration.runner import stage_run
-from orchestration.workers import terminate_background_pools
+from orchestration.workers import coordinator_round, terminate_background_pools
 from tasks.federation import publish_round_artifacts, record_round
 from tasks.preflight import preflight
 from tasks.residency import check_outputs
@@ -91,10 +91,11 @@ def federate_flow(root: str = ".") -> None:
         published = []  # each round's artifacts, written beside the next round
         try:
             for r in tqdm(range(state.start, p.federate.rounds), desc="federate rounds", unit="round", disable=not sys.stderr.isatty()):
-                outcome = federation_round(fed, r, state, outer)
-                record, publication = record_round(ctx, fed, outcome)
-                published.append(publish_round_artifacts.submit(**publication))
-                commit_round(fed, state, outcome, record)
+                with coordinator_round():  # its serial work keeps a core the local-only baselines do not take
+                    outcome = federation_round(fed, r, state, outer)
+                    record, publication = record_round(ctx, fed, outcome)
+                    published.append(publish_round_artifacts.submit(**publication))
+                    commit_round(fed, state, outcome, record)
                 per_round = (time.monotonic() - t0) / (r + 1 - state.start)
                 log.info(round_line(record, p.federate.rounds, per_round * (p.federate.rounds - r - 1)))
             for future in published:

@@ -198,15 +198,15 @@ def outer_step(p):
 
 
 def start_local_only(ctx, fed: Federation) -> dict | None:
-    """The local-only baselines submitted now, to the lowest-priority workers (`background_pool`), so they train on
-    the CPU time the rounds leave idle; their futures by site. None where they run after the rounds instead
+    """The local-only baselines submitted now, to the background workers (`background_pool`), so they train on
+    the cores the rounds leave free; their futures by site. None where they run after the rounds instead
     (sovereign sites, Dask, one worker, a GPU) or not at all. The models are the same bits either way."""
     from tasks.train import train_local_only
 
     p = fed.p
     if not p.federate.local_only or fed.sovereign or background_pool(p, warm=SITE_WORK_MODULES) is None:
         return None
-    # no task timeout: a baseline at the lowest priority may wait out the whole federation for CPU time; the
+    # no task timeout: a background baseline may wait out the whole federation for a free core; the
     # coordinator bounds its own wait after the rounds instead (`baselines`)
     options = {**site_task_options(p), "timeout_seconds": None}
     return {s: train_local_only.with_options(**options).submit(p, ctx.layout, s, ctx.out.path(f"models/local/{s}.pt"), background=True)

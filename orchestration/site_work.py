@@ -30,11 +30,18 @@ from lensemble.workflow import (
     site_embodiment,
     warm_start,
 )
+from orchestration.workers import background_turn
 
 
 def loss_progress(progress: Progress, step: int, losses) -> None:
     """`train_steps`' on_step hook: count the step, show its prediction loss when a line is printed."""
     progress.update(step + 1, {"loss/pred": losses["loss/pred"]})
+
+
+def loss_progress_yielding(progress: Progress, step: int, losses) -> None:
+    """`loss_progress`, then (in a background worker) wait for a core the site work leaves free before the next step."""
+    loss_progress(progress, step, losses)
+    background_turn()
 
 
 def local_only_body(params: Params, layout: Layout, site: str, model_path: Path) -> dict:
@@ -47,7 +54,7 @@ def local_only_body(params: Params, layout: Layout, site: str, model_path: Path)
     steps = params.federate.rounds * params.federate.inner_steps
     progress = Progress(f"{site} local-only", steps)
     log = train_steps(model, opt, [(site_embodiment(params, site), sampler)], steps, train=params.train, objective=params.objective,
-                      run_seed=params.run.seed, round_idx=-2, data_key=site, on_step=partial(loss_progress, progress),
+                      run_seed=params.run.seed, round_idx=-2, data_key=site, on_step=partial(loss_progress_yielding, progress),
                       schedule=(0, steps))
     torch.save(model.state_dict(), model_path)
     return {"steps": steps, **log.mean()}

@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
 
@@ -40,6 +41,8 @@ T = TypeVar("T")
 _DONE = "done"  # (_DONE, call id): the last message of every call, after everything it logged
 _worker_call: str | None = None  # in a worker: the id of the call running now
 _records = None  # in a worker: the queue back to the coordinator
+_share: CoreShare | None = None  # in a background worker: the cores it shares with the site work
+_holding = False  # in a background worker: whether it holds one of the shared cores now
 
 
 def cpu_cores() -> int:
@@ -60,13 +63,94 @@ class _TagCall(logging.Filter):
         return True
 
 
-def _init_worker(threads: int, records, nice: int = 0) -> None:
-    """Worker start: its torch threads, its scheduling priority, and the queue its log records go back to the coordinator on."""
-    global _records
+class CoreShare:
+    """The cores a stage's site work (foreground) and its background work (the local-only baselines) share, held by
+    count rather than by scheduling priority.
+
+    The coordinator counts the foreground calls running (queued calls wait for a worker and use no core); a
+    background body takes a core before each training step (`background_turn`) only while foreground + background
+    steps leave one free, and gives it back after the step. So the background trains on exactly the cores the
+    rounds leave idle, as lowest-priority workers did, without their failure: at niceness 19 a background worker
+    gets ~1.5% of a core against any normal process on the machine, and on a loaded machine the baselines the
+    stage waits for at its end starved (a 5-round micro federation under two busy processes took 212.5 s with
+    its baselines, 8.1 s without). Counts live in shared memory; a background step in flight when a site call
+    starts finishes first (one step, tens of ms)."""
+
+    def __init__(self, cores: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.cores = cores
+        self._lock = ctx.Lock()
+        self._foreground = ctx.RawValue("i", 0)
+        self._background = ctx.RawValue("i", 0)
+        self._calls: dict[int, tuple[int, int, int]] = {}  # coordinator side: pool id -> (calls in flight, workers, threads)
+        self._coordinator = 0  # coordinator side: > 0 while it works a round (its exchange, outer step, gauge, record)
+
+    def __getstate__(self) -> dict:  # a worker reads the counts; the coordinator's bookkeeping stays here
+        return {**self.__dict__, "_calls": {}, "_coordinator": 0}
+
+    def _publish(self) -> None:
+        """Foreground cores: the running site calls (min(calls in flight, workers) a pool), or, while the coordinator
+        works a round and no site call runs, the coordinator's own core (it waits while they run)."""
+        running = sum(min(c, w) * t for c, w, t in self._calls.values())
+        self._foreground.value = max(running, 1 if self._coordinator > 0 else 0)
+
+    def foreground_calls(self, pool: WorkerPool, delta: int) -> None:
+        """A call of `pool` submitted (+1) or done (-1)."""
+        with self._lock:
+            calls = self._calls.get(id(pool), (0,))[0] + delta
+            self._calls[id(pool)] = (calls, pool.workers, pool.threads)
+            self._publish()
+
+    def coordinator_working(self, delta: int) -> None:
+        """The coordinator starts (+1) or ends (-1) a round's work."""
+        with self._lock:
+            self._coordinator += delta
+            self._publish()
+
+    def take_background(self, poll: float = 0.005) -> None:
+        while True:
+            with self._lock:
+                if self._foreground.value + self._background.value < self.cores:
+                    self._background.value += 1
+                    return
+            time.sleep(poll)
+
+    def give_background(self) -> None:
+        with self._lock:
+            self._background.value = max(0, self._background.value - 1)
+
+    def reset_background(self) -> None:
+        """The background workers were stopped: none holds a core."""
+        with self._lock:
+            self._background.value = 0
+
+    def counts(self) -> tuple[int, int]:
+        """(foreground cores, background cores) in use now."""
+        with self._lock:
+            return self._foreground.value, self._background.value
+
+
+def background_turn() -> None:
+    """Between two training steps of a background body: give back this worker's core and wait for one the site work
+    leaves free. A no-op anywhere else (site workers, the coordinator, an inline run)."""
+    global _holding
+    if _share is None:
+        return
+    if _holding:
+        _share.give_background()
+    _share.take_background()
+    _holding = True
+
+
+def _init_worker(threads: int, records, nice: int = 0, share: CoreShare | None = None) -> None:
+    """Worker start: its torch threads, its scheduling priority, the queue its log records go back to the coordinator
+    on, and (a background worker) the cores it shares with the site work."""
+    global _records, _share
     if nice:
         os.nice(nice)
     torch.set_num_threads(threads)
     _records = records
+    _share = share
     _route_records()
 
 
@@ -128,22 +212,29 @@ def _unpack(value: Any) -> Any:
 
 
 def _run_call(call_id: str, fn: Callable[..., T], args: tuple, kwargs: dict) -> T:
-    global _worker_call
+    global _worker_call, _holding
     _worker_call = call_id
     _route_records()
     try:
+        background_turn()
         return fn(*(_unpack(a) for a in args), **{k: _unpack(v) for k, v in kwargs.items()})
     finally:
+        if _holding:
+            _share.give_background()
+            _holding = False
         _worker_call = None
         _records.put((_DONE, call_id))  # after the body's records (one queue, one feeder thread: in order)
 
 
 class WorkerPool:
-    """`workers` spawned processes, each running torch with `threads` intra-op threads, at niceness `nice`
-    (19: they run only on CPU time no process of normal priority wants)."""
+    """`workers` spawned processes, each running torch with `threads` intra-op threads, at niceness `nice`. With a
+    `share`, a site pool counts its running calls there, and a `background` pool's bodies train only on the cores
+    those leave free (`CoreShare`)."""
 
-    def __init__(self, workers: int, threads: int, warm: tuple[str, ...] = (), nice: int = 0) -> None:
+    def __init__(self, workers: int, threads: int, warm: tuple[str, ...] = (), nice: int = 0, share: CoreShare | None = None,
+                 background: bool = False) -> None:
         self.workers, self.threads, self.warm, self.nice = workers, threads, warm, nice
+        self.share, self.background = share, background
         self._ctx = multiprocessing.get_context("spawn")
         self._records = self._ctx.Queue()
         self._lock = threading.Lock()
@@ -157,7 +248,7 @@ class WorkerPool:
     def _start(self) -> ProcessPoolExecutor:
         """A fresh executor whose workers start now (spawn and import, ~2-3 s), not inside the first call's timeout."""
         executor = ProcessPoolExecutor(self.workers, mp_context=self._ctx, initializer=_init_worker,
-                                       initargs=(self.threads, self._records, self.nice))
+                                       initargs=(self.threads, self._records, self.nice, self.share if self.background else None))
         self._warming = [executor.submit(_warm, self.warm) for _ in range(self.workers)]
         return executor
 
@@ -192,6 +283,9 @@ class WorkerPool:
         with self._lock:
             self._inboxes[call_id] = inbox
         future, generation = None, -1
+        counted = self.share is not None and not self.background
+        if counted:
+            self.share.foreground_calls(self, +1)
         try:
             while True:
                 with self._lock:
@@ -207,6 +301,8 @@ class WorkerPool:
                 self._abandon(generation)
             raise
         finally:
+            if counted:
+                self.share.foreground_calls(self, -1)
             with self._lock:
                 self._inboxes.pop(call_id, None)
 
@@ -237,12 +333,16 @@ class WorkerPool:
         for process in list(getattr(old, "_processes", {}).values()):
             process.terminate()
         old.shutdown(wait=False, cancel_futures=True)
+        if self.background and self.share is not None:
+            self.share.reset_background()
 
     def terminate(self) -> None:
         """Stop the workers now, whatever they run (a stage that failed does not wait for its background work)."""
         for process in list(getattr(self._executor, "_processes", {}).values()):
             process.terminate()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.background and self.share is not None:
+            self.share.reset_background()
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
@@ -270,7 +370,7 @@ class InlinePool:
         pass
 
 
-_pools: dict[tuple[int, int, int], WorkerPool] = {}
+_pools: dict[tuple[int, int, bool], WorkerPool] = {}  # (workers, threads, background) -> pool
 _pools_lock = threading.Lock()
 
 
@@ -292,21 +392,44 @@ def site_pool(params, warm: tuple[str, ...] = ()) -> WorkerPool | InlinePool:
     if not in_worker_processes(params):
         return InlinePool(params.run.torch_threads)
     with _pools_lock:
-        pool = _pools.get((workers, threads, 0))
+        pool = _pools.get((workers, threads, False))
         if pool is None:
-            pool = _pools[(workers, threads, 0)] = WorkerPool(workers, threads, warm)
+            pool = _pools[(workers, threads, False)] = WorkerPool(workers, threads, warm, share=_core_share(params))
         return pool
 
 
-BACKGROUND_NICE = 19
+_share_here: CoreShare | None = None  # the coordinator's: one for the stage's pools
+
+
+@contextmanager
+def coordinator_round():
+    """Around a federation round in the coordinator: its serial work (exchange, outer step, gauge, record) keeps a core
+    the background bodies do not take. A no-op where no pool shares cores."""
+    share = _share_here
+    if share is None:
+        yield
+        return
+    share.coordinator_working(+1)
+    try:
+        yield
+    finally:
+        share.coordinator_working(-1)
+
+
+def _core_share(params) -> CoreShare:
+    """The stage's `CoreShare` over its thread budget (called under `_pools_lock`)."""
+    global _share_here
+    if _share_here is None:
+        _share_here = CoreShare(params.run.torch_threads)
+    return _share_here
 
 
 def background_pool(params, warm: tuple[str, ...] = ()) -> WorkerPool | None:
-    """A second pool, one worker a site with `site_pool`'s threads each, whose workers run at the lowest priority (niceness 19): work that no
-    result of the stage waits on until its end (the local-only baselines) runs there while the rounds run, on the
-    CPU time they leave idle (a round's site steps fill 1.5 of 2 workers with 3 sites, and the aggregation
-    between site steps fills none), and at full speed once nothing else runs. None where `site_pool` would not
-    start processes (one worker, a GPU, Dask): there the work runs after the rounds, as before."""
+    """A second pool, one worker a site with `site_pool`'s threads each, for work that no result of the stage waits on
+    until its end (the local-only baselines): its bodies train on the cores the site work leaves free (`CoreShare`:
+    a round's site steps fill 1.5 of 2 workers with 3 sites, and the aggregation between site steps fills none), and
+    on every core once nothing else runs. None where `site_pool` would not start processes (one worker, a GPU, Dask):
+    there the work runs after the rounds, as before."""
     if not in_worker_processes(params):
         return None
     workers, threads = thread_split(params.run.torch_threads, params.run.workers)
@@ -314,16 +437,16 @@ def background_pool(params, warm: tuple[str, ...] = ()) -> WorkerPool | None:
     # two and then trained alone on one core: federate 306 s against 313 s with no background at all)
     workers = max(workers, len(params.data.sites))
     with _pools_lock:
-        pool = _pools.get((workers, threads, BACKGROUND_NICE))
+        pool = _pools.get((workers, threads, True))
         if pool is None:
-            pool = _pools[(workers, threads, BACKGROUND_NICE)] = WorkerPool(workers, threads, warm, nice=BACKGROUND_NICE)
+            pool = _pools[(workers, threads, True)] = WorkerPool(workers, threads, warm, share=_core_share(params), background=True)
         return pool
 
 
 def terminate_background_pools() -> None:
     """Stop the background workers now (a stage that failed); `close_pools` would wait for what they run."""
     with _pools_lock:
-        pools = [k for k in _pools if k[2] == BACKGROUND_NICE]
+        pools = [k for k in _pools if k[2]]
         dropped = [_pools.pop(k) for k in pools]
     for pool in dropped:
         pool.terminate()
@@ -351,8 +474,10 @@ def makespan(seconds: list[float], slots: int | None) -> float:
 
 def close_pools() -> None:
     """Stop every worker this process started (the end of a stage)."""
+    global _share_here
     with _pools_lock:
         pools = list(_pools.values())
         _pools.clear()
+        _share_here = None
     for pool in pools:
         pool.close()

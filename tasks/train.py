@@ -81,7 +81,7 @@ def train_centralized(params: Params, layout: Layout, model_path: Path,
 @task(name="train-local-only", task_run_name="{site}-local-only-train", cache_policy=NONE)
 def train_local_only(params: Params, layout: Layout, site: str, model_path: Path, background: bool = False) -> dict:
     """The no-federation baseline: the site trains alone for as many steps as it trains in Stage B (in a worker;
-    `background`: in a lowest-priority worker, beside the rounds). Same bits either way."""
+    `background`: in a background worker, on the cores the rounds leave free). Same bits either way."""
     pool = background_pool(params, warm=("orchestration.site_work",)) if background else None
     return (pool or site_pool(params)).call(local_only_body, params, layout, site, model_path)
 

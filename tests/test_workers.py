@@ -12,7 +12,7 @@ import torch
 
 from lensemble.errors import DataError
 from orchestration.workers import (
-    BACKGROUND_NICE,
+    CoreShare,
     InlinePool,
     WorkerPool,
     background_pool,
@@ -184,21 +184,106 @@ def _priority_and_bits(seed: int) -> tuple[int, int, bytes]:
     return os.nice(0), torch.get_num_threads(), w.detach().numpy().tobytes()
 
 
-def test_background_workers_run_at_the_lowest_priority_and_compute_the_same_bits(pool):
-    background = WorkerPool(2, 1, nice=BACKGROUND_NICE)
+def test_background_workers_compute_the_same_bits_at_the_same_priority(pool):
+    background = WorkerPool(2, 1, share=CoreShare(2), background=True)
     try:
-        low = [background.call(_priority_and_bits, s) for s in (0, 1)]
+        bg = [background.call(_priority_and_bits, s) for s in (0, 1)]
         normal = [pool.call(_priority_and_bits, s) for s in (0, 1)]
     finally:
         background.close()
-    assert {n for n, _, _ in low} == {19} and {n for n, _, _ in normal} == {os.nice(0)} != {19}
-    assert [t for _, t, _ in low] == [1, 1]
-    assert [b for _, _, b in low] == [b for _, _, b in normal]  # priority changes when, never what
-    assert low[0][2] != low[1][2]
+    assert {n for n, _, _ in bg} == {n for n, _, _ in normal} == {os.nice(0)}  # not niced: a busy machine cannot starve it
+    assert [t for _, t, _ in bg] == [1, 1]
+    assert [b for _, _, b in bg] == [b for _, _, b in normal]  # the share changes when, never what
+    assert bg[0][2] != bg[1][2]
+
+
+def _held(release: str) -> int:
+    """A site call that runs until `release` exists."""
+    while not os.path.exists(release):
+        time.sleep(0.01)
+    return os.getpid()
+
+
+def _background_steps(steps: int, log: str) -> int:
+    """A background body: `steps` steps, each after waiting for a free core, each logged."""
+    from orchestration.workers import background_turn
+
+    for i in range(steps):
+        background_turn()
+        with open(log, "a") as f:
+            f.write(f"{i}\n")
+    return steps
+
+
+def test_background_steps_wait_while_the_site_calls_fill_every_core(tmp_path):
+    """Two site calls running on a 2-core share leave no core: a background body takes no step until one ends. The
+    coordinator counts running calls (3 in flight on 2 workers hold 2 cores), and every count returns to 0."""
+    share = CoreShare(2)
+    sites = WorkerPool(2, 1, share=share)
+    background = WorkerPool(1, 1, share=share, background=True)
+    release, log = tmp_path / "release", tmp_path / "steps.log"
+    results: dict = {}
+
+    def run(name, pool, fn, *args):
+        results[name] = pool.call(fn, *args)
+
+    try:
+        sites.wait_ready()
+        background.wait_ready()
+        held = [threading.Thread(target=run, args=(f"site{i}", sites, _held, str(release))) for i in range(3)]
+        for t in held:
+            t.start()
+        deadline = time.monotonic() + 60
+        while share.counts()[0] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert share.counts() == (2, 0)  # three calls in flight, two workers: two cores
+        steps = threading.Thread(target=run, args=("background", background, _background_steps, 5, str(log)))
+        steps.start()
+        time.sleep(1.0)
+        assert not log.exists()  # blocked before its first step
+        release.touch()
+        for t in (*held, steps):
+            t.join(60)
+        assert results["background"] == 5 and log.read_text().split() == ["0", "1", "2", "3", "4"]
+        assert share.counts() == (0, 0)
+    finally:
+        release.touch()
+        sites.close()
+        background.close()
+
+
+def test_core_share_counts_running_site_calls_and_the_coordinator_s_serial_work():
+    """Foreground cores: min(calls in flight, workers) x threads a pool; while the coordinator works a round, at least
+    its own core (it waits while site calls run, so they are not added); a background step takes a core only
+    while one is free."""
+    from types import SimpleNamespace
+
+    share = CoreShare(2)
+    sites = SimpleNamespace(workers=2, threads=1)
+    share.foreground_calls(sites, +3)
+    assert share.counts() == (2, 0)  # the third waits for a worker
+    share.foreground_calls(sites, -2)
+    assert share.counts() == (1, 0)
+    share.take_background()
+    assert share.counts() == (1, 1)
+    share.give_background()
+    share.foreground_calls(sites, -1)
+    share.coordinator_working(+1)
+    assert share.counts() == (1, 0)  # the exchange and the outer step: one core kept
+    share.foreground_calls(sites, +2)
+    assert share.counts() == (2, 0)  # the coordinator waits on them
+    share.foreground_calls(sites, -2)
+    share.coordinator_working(-1)
+    assert share.counts() == (0, 0)  # after the rounds: every core for the baselines
+    share.take_background()
+    share.take_background()
+    assert share.counts() == (0, 2)
+    share.reset_background()
+    assert share.counts() == (0, 0)
 
 
 def test_terminate_stops_background_work_without_waiting_for_it(tmp_path):
-    background = WorkerPool(1, 1, nice=BACKGROUND_NICE)
+    background = WorkerPool(1, 1, share=CoreShare(1), background=True)
     pid_file = tmp_path / "bg.pid"
     outcome: dict = {}
 
@@ -230,8 +315,8 @@ def test_terminate_stops_background_work_without_waiting_for_it(tmp_path):
 
 
 @pytest.mark.parametrize("run, federate, expected", [
-    ({"workers": 2}, {}, (2, 1, BACKGROUND_NICE)),  # the default split on 2 sites: a lowest-priority twin of the site pool
-    ({"workers": 2, "torch_threads": 4}, {}, (2, 2, BACKGROUND_NICE)),  # the site pool's threads: the same bits as after the rounds
+    ({"workers": 2}, {}, (2, 1, True)),  # the default split on 2 sites: a background twin of the site pool
+    ({"workers": 2, "torch_threads": 4}, {}, (2, 2, True)),  # the site pool's threads: the same bits as after the rounds
     ({"workers": 1}, {}, None),  # one process: nothing idles beside the rounds, the baselines run after them
     ({"workers": 2}, {"task_runner": "dask"}, None),  # Dask workers are processes already
 ])
@@ -244,7 +329,7 @@ def test_background_pool_only_where_site_work_runs_in_worker_processes(run, fede
     raw["federate"].update(federate)
     bg = background_pool(parse_params(raw))
     try:
-        assert (bg if bg is None else (bg.workers, bg.threads, bg.nice)) == expected
+        assert (bg if bg is None else (bg.workers, bg.threads, bg.background)) == expected
     finally:
         close_pools()
 
@@ -258,7 +343,7 @@ def test_background_pool_has_a_worker_for_every_site():
     raw["data"]["sites"].append({"name": "site_c", "embodiment": "grid_point", "episodes": 3})
     bg = background_pool(parse_params(raw))
     try:
-        assert (bg.workers, bg.threads, bg.nice) == (3, 1, BACKGROUND_NICE)  # no baseline waits for another
+        assert (bg.workers, bg.threads, bg.background) == (3, 1, True)  # no baseline waits for another
     finally:
         close_pools()
 
