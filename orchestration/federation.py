@@ -317,7 +317,10 @@ def round_budgets(root: Path, hw_class: str, measured: dict[str, float]) -> list
     """Budget rows of the federate stage that one round's figures already measure. budgets.yaml is parsed once a
     stage (~15 ms a reading, inside every round's wall time) and again only if it changes."""
     path = root / "budgets.yaml"
-    budgets = _budgets_as_of(path, (path.stat().st_mtime_ns, path.stat().st_size)) if path.is_file() else load_budgets(path)
+    if not path.is_file():
+        load_budgets(path)  # its one-line error
+    stat = path.stat()
+    budgets = _budgets_as_of(path, (stat.st_mtime_ns, stat.st_size))
     rows = evaluate_budgets(budgets, "federate", hw_class, measured)
     return [r for r in rows if r["status"] not in ("not_measured", "no_band")]
 

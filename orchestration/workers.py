@@ -29,8 +29,8 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import contextmanager
 from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
@@ -142,12 +142,10 @@ def background_turn() -> None:
     _holding = True
 
 
-def _init_worker(threads: int, records, nice: int = 0, share: CoreShare | None = None) -> None:
-    """Worker start: its torch threads, its scheduling priority, the queue its log records go back to the coordinator
-    on, and (a background worker) the cores it shares with the site work."""
+def _init_worker(threads: int, records, share: CoreShare | None = None) -> None:
+    """Worker start: its torch threads, the queue its log records go back to the coordinator on, and (a background
+    worker) the cores it shares with the site work."""
     global _records, _share
-    if nice:
-        os.nice(nice)
     torch.set_num_threads(threads)
     _records = records
     _share = share
@@ -227,13 +225,13 @@ def _run_call(call_id: str, fn: Callable[..., T], args: tuple, kwargs: dict) -> 
 
 
 class WorkerPool:
-    """`workers` spawned processes, each running torch with `threads` intra-op threads, at niceness `nice`. With a
-    `share`, a site pool counts its running calls there, and a `background` pool's bodies train only on the cores
-    those leave free (`CoreShare`)."""
+    """`workers` spawned processes, each running torch with `threads` intra-op threads. With a `share`, a site pool
+    counts its running calls there, and a `background` pool's bodies train only on the cores those leave free
+    (`CoreShare`)."""
 
-    def __init__(self, workers: int, threads: int, warm: tuple[str, ...] = (), nice: int = 0, share: CoreShare | None = None,
+    def __init__(self, workers: int, threads: int, warm: tuple[str, ...] = (), share: CoreShare | None = None,
                  background: bool = False) -> None:
-        self.workers, self.threads, self.warm, self.nice = workers, threads, warm, nice
+        self.workers, self.threads, self.warm = workers, threads, warm
         self.share, self.background = share, background
         self._ctx = multiprocessing.get_context("spawn")
         self._records = self._ctx.Queue()
@@ -248,7 +246,7 @@ class WorkerPool:
     def _start(self) -> ProcessPoolExecutor:
         """A fresh executor whose workers start now (spawn and import, ~2-3 s), not inside the first call's timeout."""
         executor = ProcessPoolExecutor(self.workers, mp_context=self._ctx, initializer=_init_worker,
-                                       initargs=(self.threads, self._records, self.nice, self.share if self.background else None))
+                                       initargs=(self.threads, self._records, self.share if self.background else None))
         self._warming = [executor.submit(_warm, self.warm) for _ in range(self.workers)]
         return executor
 
