@@ -45,7 +45,8 @@ def scan_outputs(params, layout) -> int:
 
     One pass reads and parses each file once for all sites: a scan per site read the Prefect database and
     the MLflow store once per site, and both grow with every run (in a workspace after ~30 runs: 23 s a
-    site, 26 s for all three together)."""
+    site, 26 s for all three together; with `text_scan.c` and one pre-filter for all sites, 5.7 s where the
+    Prefect database had grown to 171 MB and the regular expressions took 37.9 s)."""
     return check_outputs(params, layout)
 
 

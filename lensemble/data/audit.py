@@ -22,6 +22,15 @@ with binary search; its cost is a few passes over the blob. `scan_file` (and `sc
 `scan_blobs` for objects that are not local files, such as the exchange's run tree) also looks
 inside what a file may encode: images (decoded pixels), zip and gzip members, base64 and hex runs,
 and numbers written as text (consecutive numbers as float32 pairs; runs of integers 0..255 as bytes).
+Several sites' indexes are scanned in one pass (`scan_many`: one pre-filter on the union of their
+bitmaps, then each index resolves the candidates).
+
+The text pass (numbers, base64 and hex runs) and the pre-filter run in `text_scan.c` where a C
+compiler is available: the regular expressions below are its reference, and give the same numbers
+bit for bit and the same decoded bytes (tests/test_text_scan.py). A project's Prefect database and
+MLflow store grow with every run and are scanned after the federation and by the residency stage: in
+a workspace holding 171 MB of Prefect database, the scan of the shared outputs took 37.9 s with the
+regular expressions and a pass per site, 5.7 s now (LENSEMBLE_NATIVE=0: 32.7 s).
 
 The index is derived from private rows: it stays at its site, beside the episodes.
 """
@@ -29,6 +38,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import ctypes
+import functools
 import gzip
 import hashlib
 import io
@@ -42,6 +53,7 @@ import torch
 
 from lensemble.data.episodes import Episodes
 from lensemble.data.windows import frames_to_tensor
+from lensemble.native_build import compiled
 
 _BITS = 22  # bitmap slots 2^22 (4 MiB): ~25k keys leave > 99% of words rejected by one lookup
 _MUL = np.uint64(0x9E3779B97F4A7C15)
@@ -176,24 +188,20 @@ class PrivateIndex:
     def scan(self, blob) -> dict[str, int]:
         """Hits per class ("values", "frames") in `blob` (bytes-like), at every byte offset."""
         arr = np.frombuffer(blob, dtype=np.uint8)
-        hits = {"values": 0, "frames": 0}
-        starts: set[tuple[int, int]] = set()
-        for shift in range(8):
-            n = (len(arr) - shift) // 8
-            if n <= 0:
-                continue
-            words = arr[shift : shift + 8 * n].view("<u8")
-            cand = np.flatnonzero(self._bitmap[_slot(words)])
-            if not cand.size:
-                continue
-            cw = words[cand]
-            if len(self.values):
-                pos = np.minimum(np.searchsorted(self.values, cw), len(self.values) - 1)
-                hits["values"] += int((self.values[pos] == cw).sum())
-            if len(self.frames):
-                starts |= self._frame_hits(arr, shift + 8 * cand, cw)
-        hits["frames"] = len(starts)
-        return hits
+        return self._resolve(arr, _candidates(arr, self._bitmap))
+
+    def _resolve(self, arr: np.ndarray, candidates: tuple[np.ndarray, np.ndarray]) -> dict[str, int]:
+        """Hits among `_candidates`' (byte offsets, words): any superset of this index's own candidates
+        gives the same counts (the bitmap only pre-filters; keys are matched exactly)."""
+        offsets, words = candidates
+        if not len(words):
+            return {"values": 0, "frames": 0}
+        values = 0
+        if len(self.values):
+            pos = np.minimum(np.searchsorted(self.values, words), len(self.values) - 1)
+            values = int((self.values[pos] == words).sum())
+        frames = len(self._frame_hits(arr, offsets, words)) if len(self.frames) else 0
+        return {"values": values, "frames": frames}
 
     def _frame_hits(self, arr: np.ndarray, offsets: np.ndarray, words: np.ndarray) -> set[tuple[int, int]]:
         """(start, row) of whole private frames whose anchor word sits at one of `offsets`."""
@@ -219,14 +227,81 @@ class PrivateIndex:
 
     def scan_floats(self, values: Iterable[float]) -> int:
         """Hits among consecutive numbers taken as float32 (e.g. a list in a metrics record)."""
-        v = np.asarray(list(values), dtype=np.float64)
-        if v.size < 2:
+        return self._float_hits(_float_pairs(values))
+
+    def _float_hits(self, words: np.ndarray) -> int:
+        """Hits among `_float_pairs` words (all of them, or any superset of those this index's bitmap passes)."""
+        if not len(self.values) or not len(words):
             return 0
-        with np.errstate(over="ignore", invalid="ignore"):
-            pairs = np.ascontiguousarray(np.lib.stride_tricks.sliding_window_view(v.astype(np.float32), 2))
-        words = pairs.view("<u8").ravel()
-        pos = np.minimum(np.searchsorted(self.values, words), max(len(self.values) - 1, 0))
-        return int((self.values[pos] == words).sum()) if len(self.values) else 0
+        pos = np.minimum(np.searchsorted(self.values, words), len(self.values) - 1)
+        return int((self.values[pos] == words).sum())
+
+
+def _candidates(arr: np.ndarray, bitmap: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(byte offsets, words) of the little-endian uint64 words at every byte offset of `arr` whose bitmap
+    slot is set: by `text_scan.c` in one pass, else in NumPy per byte alignment (the same set of pairs)."""
+    lib = _text_lib()
+    if lib is None:
+        return _numpy_candidates(arr, bitmap)
+    if len(arr) < 8:
+        return np.zeros(0, np.int64), np.zeros(0, np.uint64)
+    flags = np.ascontiguousarray(bitmap).view(np.uint8)
+    out = np.empty(len(arr) // 64 + 1024, np.int64)
+    count = lib.lens_word_candidates(arr.ctypes.data, len(arr), flags.ctypes.data, _BITS, out.ctypes.data, len(out))
+    if count > len(out):  # a blob dense in candidates: room for all of them
+        out = np.empty(count, np.int64)
+        lib.lens_word_candidates(arr.ctypes.data, len(arr), flags.ctypes.data, _BITS, out.ctypes.data, len(out))
+    offsets = out[:count]
+    return offsets, arr[offsets[:, None] + np.arange(8)].copy().view("<u8").reshape(-1)
+
+
+def _numpy_candidates(arr: np.ndarray, bitmap: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    offsets, words = [np.zeros(0, np.int64)], [np.zeros(0, np.uint64)]
+    for shift in range(8):
+        n = (len(arr) - shift) // 8
+        if n <= 0:
+            continue
+        w = arr[shift : shift + 8 * n].view("<u8")
+        cand = np.flatnonzero(bitmap[_slot(w)])
+        offsets.append(shift + 8 * cand)
+        words.append(w[cand])
+    return np.concatenate(offsets), np.concatenate(words)
+
+
+def _float_pairs(values: Iterable[float]) -> np.ndarray:
+    """Every pair of consecutive numbers, taken as float32, as the uint64 word it makes."""
+    v = np.asarray(values if isinstance(values, np.ndarray) else list(values), dtype=np.float64)
+    if v.size < 2:
+        return np.zeros(0, np.uint64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        pairs = np.ascontiguousarray(np.lib.stride_tricks.sliding_window_view(v.astype(np.float32), 2))
+    return pairs.view("<u8").ravel()
+
+
+def union_bitmap(indexes: Mapping[str, PrivateIndex]) -> np.ndarray:
+    """The pre-filter of all `indexes` together: a word none of them may hold is rejected once for all."""
+    maps = [index._bitmap for index in indexes.values()]
+    return maps[0] if len(maps) == 1 else np.logical_or.reduce(maps)
+
+
+def scan_many(blob, indexes: Mapping[str, PrivateIndex], numbers: Iterable[float] = (),
+              bitmap: np.ndarray | None = None) -> dict[str, dict[str, int]]:
+    """Each index's `scan(blob)`, with `scan_floats(numbers)` added to its values: the same counts, from one
+    pass over the blob's words against `union_bitmap(indexes)` (given, or built here) rather than a pass
+    per site."""
+    if not indexes:
+        return {}
+    arr = np.frombuffer(blob, dtype=np.uint8)
+    bitmap = union_bitmap(indexes) if bitmap is None else bitmap
+    candidates = _candidates(arr, bitmap)
+    words = _float_pairs(numbers)
+    words = words[bitmap[_slot(words)]] if len(words) else words
+    found = {}
+    for site, index in indexes.items():
+        hits = index._resolve(arr, candidates)
+        hits["values"] += index._float_hits(words)
+        found[site] = hits
+    return found
 
 
 def index_path(episodes_path: Path) -> Path:
@@ -267,8 +342,8 @@ _IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp", ".tif", ".t
 MAX_DECODED = 256 << 20  # bytes: never inflate more than this from one file
 
 
-def _decoded(data: bytes, suffix: str) -> Iterable[bytes]:
-    """What a file's bytes may carry besides themselves."""
+def _containers(data: bytes, suffix: str) -> Iterable[bytes]:
+    """What a file's bytes carry as a whole-file format: an image's pixels, zip members, gzip contents."""
     if suffix in _IMAGE_SUFFIXES:
         from PIL import Image
 
@@ -290,6 +365,11 @@ def _decoded(data: bytes, suffix: str) -> Iterable[bytes]:
             yield gzip.decompress(data)[:MAX_DECODED]
         except (OSError, EOFError):
             pass
+
+
+def _decoded(data: bytes, suffix: str) -> Iterable[bytes]:
+    """What a file's bytes may carry besides themselves (the reference `_text_parts` must match)."""
+    yield from _containers(data, suffix)
     for m in _B64.finditer(data):
         run = m.group()
         try:
@@ -321,6 +401,66 @@ def _text_numbers(data: bytes) -> tuple[list[float], list[bytes]]:
     return nums, runs
 
 
+@functools.cache
+def _text_lib() -> ctypes.CDLL | None:
+    """`text_scan.c`, the one-pass equivalent of `_text_numbers` and `_decoded`'s base64 and hex runs; None
+    without a C compiler (or with LENSEMBLE_NATIVE=0): the regular expressions then do the same work."""
+    lib = compiled((Path(__file__).with_name("text_scan.c"),), name="lensemble-text-scan")
+    if lib is None:
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.lens_text_numbers.restype = i64
+    lib.lens_text_numbers.argtypes = [ptr, i64, ptr, ctypes.POINTER(i64), ctypes.POINTER(i64)]
+    lib.lens_word_candidates.restype = i64
+    lib.lens_word_candidates.argtypes = [ptr, i64, ptr, ctypes.c_int32, ptr, i64]
+    lib.lens_text_runs.restype = None
+    lib.lens_text_runs.argtypes = [ptr, i64, ptr]
+    for fn in (lib.lens_base64_parts, lib.lens_hex_parts):
+        fn.restype = i64
+        fn.argtypes = [ptr, i64, ptr, ctypes.POINTER(i64)]
+    return lib
+
+
+_SEP = b"\0" * 8  # between decoded parts: a part's rows keep their offsets within it
+
+
+def _native_parts(lib: ctypes.CDLL, data: bytes) -> tuple[np.ndarray, list[bytes]]:
+    """`_text_parts` by `text_scan.c`: each kind's parts come back already joined by `_SEP`."""
+    buf = np.frombuffer(data, np.uint8)
+    n, src = len(buf), buf.ctypes.data if len(buf) else None
+    size, count = ctypes.c_int64(), ctypes.c_int64()
+    nums = np.empty(lib.lens_text_numbers(src, n, None, ctypes.byref(size), ctypes.byref(count)), np.float64)
+    failed = ctypes.c_int.in_dll(lib, "lens_alloc_failed")
+    failed.value = 0
+    lib.lens_text_numbers(src, n, nums.ctypes.data, ctypes.byref(size), ctypes.byref(count))
+    if failed.value:
+        raise MemoryError("text_scan.c: no memory for a long number's text")
+    runs = np.empty(size.value, np.uint8)
+    if count.value:
+        lib.lens_text_runs(src, n, runs.ctypes.data)
+    groups = []
+    for fn in (lib.lens_base64_parts, lib.lens_hex_parts):
+        out = np.empty(fn(src, n, None, ctypes.byref(count)), np.uint8)
+        if count.value:
+            fn(src, n, out.ctypes.data, ctypes.byref(count))
+            groups.append(out.tobytes())
+    if runs.size:
+        groups.append(runs.tobytes())
+    return nums, groups
+
+
+def _text_parts(data: bytes, suffix: str) -> tuple[np.ndarray, bytes]:
+    """(numbers written as text, as float64; every decoded part and small-integer run joined by `_SEP`):
+    what `scan_data_many` scans besides the raw bytes. Native when `text_scan.c` builds; the regular
+    expressions otherwise (the same numbers bit for bit and the same joined bytes)."""
+    lib = _text_lib()
+    if lib is None:
+        nums, runs = _text_numbers(data)
+        return np.asarray(nums, np.float64), _SEP.join([*_decoded(data, suffix), *runs])
+    nums, groups = _native_parts(lib, data)
+    return nums, _SEP.join([*_containers(data, suffix), *groups])
+
+
 def scan_file(path: Path, index: PrivateIndex) -> dict[str, int]:
     """Hits per class in a file, its decoded contents and its text-encoded numbers."""
     return scan_data(Path(path).read_bytes(), Path(path).suffix.lower(), index)
@@ -331,20 +471,18 @@ def scan_data(data: bytes, suffix: str, index: PrivateIndex) -> dict[str, int]:
     return scan_data_many(data, suffix, {"": index})[""]
 
 
-def scan_data_many(data: bytes, suffix: str, indexes: Mapping[str, PrivateIndex]) -> dict[str, dict[str, int]]:
+def scan_data_many(data: bytes, suffix: str, indexes: Mapping[str, PrivateIndex],
+                   bitmap: np.ndarray | None = None) -> dict[str, dict[str, int]]:
     """`scan_data` against several sites' indexes: the file is decoded and its text numbers parsed once
     (the parsing, not the lookups, is most of a scan's time), and the decoded parts are scanned as one
-    buffer (joined by 8 zero bytes, so a part's rows keep their offsets within it)."""
-    extra = list(_decoded(data, suffix))
-    nums, runs = _text_numbers(data)
-    joined = (b"\0" * 8).join([*extra, *runs])
-    found = {}
-    for site, index in indexes.items():
-        hits = index.scan(data)
-        for k, v in index.scan(joined).items():
-            hits[k] += v
-        hits["values"] += index.scan_floats(nums)
-        found[site] = hits
+    buffer (joined by 8 zero bytes, so a part's rows keep their offsets within it). `bitmap`: the
+    indexes' `union_bitmap`, when the caller scans many files against them."""
+    nums, joined = _text_parts(data, suffix)
+    bitmap = union_bitmap(indexes) if bitmap is None and indexes else bitmap
+    found = scan_many(data, indexes, nums, bitmap)
+    for site, hits in scan_many(joined, indexes, bitmap=bitmap).items():
+        for k, v in hits.items():
+            found[site][k] += v
     return found
 
 
@@ -355,8 +493,9 @@ def scan_blobs(blobs: Iterable[tuple[str, bytes]], indexes: Mapping[str, Private
     read and parsed once and scanned against every index.
     """
     found = {}
+    bitmap = union_bitmap(indexes) if indexes else None
     for name, data in blobs:
-        for site, hits in sorted(scan_data_many(data, Path(name).suffix.lower(), indexes).items()):
+        for site, hits in sorted(scan_data_many(data, Path(name).suffix.lower(), indexes, bitmap).items()):
             if any(hits.values()):
                 found[f"{name} ({site})"] = hits
     return found

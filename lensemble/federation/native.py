@@ -10,8 +10,8 @@ compiler (or `LENSEMBLE_NATIVE=0`) `load()` returns None and the aggregator uses
 which gives the same bits (tests/test_outer.py checks both against `nesterov_step`, and
 tests/test_client_path.py the site's pass against `quantize_with_scales` and `site_mask`).
 
-Build: `cc -O3 -march=native -ffp-contract=off` into `$LENSEMBLE_CACHE` (default
-`~/.cache/lensemble`), named by the hash of the sources, the flags and the CPU, written atomically.
+Build: `lensemble.native_build.compiled` (`cc -O3 -march=native -ffp-contract=off`, cached by the hash of
+the sources, the flags and the CPU).
 `-ffp-contract=off` keeps every rounding torch's eager ops make; `fmaf` is used exactly where torch
 fuses `add(alpha)`, which `torch_fuses_alpha` probes at run time (vectorized builds fuse, others
 may not).
@@ -20,55 +20,23 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from lensemble.native_build import compiled
+
 TILE = 4096
 """Elements per self-checked tile in `fused_step.c`."""
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("fused_step.c", "client_step.c"))
-_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared")
-
-
-def _cpu_id() -> str:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        return next((line for line in info.splitlines() if line.startswith("flags")), platform.processor())
-    except OSError:
-        return platform.processor()
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("LENSEMBLE_CACHE", Path.home() / ".cache" / "lensemble"))
 
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, or None when it is disabled or cannot be built here."""
-    if os.environ.get("LENSEMBLE_NATIVE", "1") == "0":
+    lib = compiled(_SOURCES)
+    if lib is None:
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        return None
-    source = b"".join(path.read_bytes() for path in _SOURCES)
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_id().encode() + platform.machine().encode())
-    target = _cache_dir() / f"lensemble-native-{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            command = [compiler, *_FLAGS, "-o", str(built), *map(str, _SOURCES), "-lm"]
-            result = subprocess.run(command, capture_output=True, text=True)
-            if result.returncode != 0:
-                return None
-            os.replace(built, target)  # atomic: a concurrent process sees no half-written library
-    lib = ctypes.CDLL(str(target))
     lib.lens_secure16_step.restype = ctypes.c_int64
     lib.lens_secure16_step.argtypes = [
         ctypes.POINTER(ctypes.c_void_p), ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
