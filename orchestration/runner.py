@@ -10,8 +10,9 @@ After the body: budgets, then wait for that thread, then the manifest, one batch
 and tags, the manifest artifact and the datasets. `perf/tracking_seconds` is what tracking added to
 the stage's wall time (budget evaluation, the wait, the recording); `perf/tracking_background_seconds`
 is the overlapped opening and `perf/tracking_background_cpu_seconds` its CPU time (on a busy machine
-an upper bound on what the opening took from the stage's own work). If MLflow cannot be opened, the stage fails with that error and commits
-nothing.
+an upper bound on what the opening took from the stage's own work). The opening and the metrics mirror run
+niced while the body works and get the stage's priority back when the stage waits on them
+(`BackgroundPriority`). If MLflow cannot be opened, the stage fails with that error and commits nothing.
 """
 from __future__ import annotations
 
@@ -130,17 +131,53 @@ class _OpenRun:
     cpu_seconds: float  # CPU time of the opening thread: an upper bound on what it took from the stage
 
 
-def lowest_priority() -> None:
-    """Nice this thread to 19 (Linux schedules threads individually): it runs on idle CPU only.
+class BackgroundPriority:
+    """A background thread's priority: lowest while the stage works beside it, the stage's own once the stage
+    waits on it.
 
-    A stage's torch ops keep every core busy; an opening at normal priority took a core from them
-    and slowed a 2-thread training loop by more than its own CPU time (benchmarks/tracking_interference.py).
-    Niced, it uses idle time and otherwise finishes while the stage records, where it is counted.
+    `lower()` (in the thread) nices it to 19 (Linux schedules threads individually): it then runs on idle
+    CPU only. A stage's torch ops keep every core busy; an opening at normal priority took a core from
+    them and slowed a 2-thread training loop by more than its own CPU time (benchmarks/tracking_interference.py,
+    one run at each niceness, an opening of 2.6 s CPU beside 200 steps: 4.98 s at 0, 2.10 s at 10, 0.05 s at
+    19; the same run repeated moves by up to 1.2 s).
+
+    `restore()` (by the stage, before it waits on the thread) gives it the stage's niceness back: the stage's
+    own work is done, so the thread takes nothing from it, and at 19 on a machine busy with other work it
+    got ~1.5% of a core (a gauge stage beside two busy processes: 103.7 s against 6.2 s quiet). Raising a
+    priority needs CAP_SYS_NICE or a RLIMIT_NICE that allows it; without, the thread stays niced and
+    `restore` returns False. A thread restored before it lowered itself is never niced.
     """
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):  # not Linux, or not permitted: run at normal priority
-        pass
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._native_id: int | None = None
+        self._restored = False
+
+    def lower(self) -> None:
+        """Called by the background thread itself."""
+        with self._lock:
+            if self._restored:
+                return
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            except (AttributeError, OSError):  # not Linux, or not permitted: run at normal priority
+                return
+            self._native_id = threading.get_native_id()
+
+    def restore(self) -> bool:
+        """Called by the thread that is about to wait on it: the caller's niceness for the background thread."""
+        with self._lock:
+            self._restored = True
+            if self._native_id is None:
+                return True
+            try:
+                os.setpriority(os.PRIO_PROCESS, self._native_id, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            except ProcessLookupError:  # it has ended
+                pass
+            except OSError:  # raising a priority is not permitted here
+                return False
+            self._native_id = None
+            return True
 
 
 STREAM_SECONDS = 10.0  # how often a running stage's new metrics reach its MLflow run
@@ -170,6 +207,7 @@ class MetricsMirror:
 
     def __init__(self, sink: MetricsSink, opening: Future, interval: float = STREAM_SECONDS) -> None:
         self.sink, self.opening, self.interval = sink, opening, interval
+        self.priority = BackgroundPriority()
         self.sent = 0
         self.cpu_seconds = 0.0
         self._lock = threading.Lock()
@@ -186,7 +224,7 @@ class MetricsMirror:
             self.sent = end
 
     def _loop(self) -> None:
-        lowest_priority()
+        self.priority.lower()
         cpu0 = time.thread_time()
         try:
             run = self.opening.result()
@@ -204,6 +242,7 @@ class MetricsMirror:
     def close(self, run: _OpenRun) -> None:
         """Stop streaming and send every record not sent yet."""
         self.stop()
+        self.priority.restore()  # a batch it is sending now finishes at the stage's priority
         self._thread.join()
         self._send(run)
 
@@ -251,9 +290,9 @@ def run_tags(stage: str, params: Params, root: Path) -> tuple[dict[str, str], st
     return tags, f"{params.hash()[:16]}-{commit[:12]}{'-dirty' if dirty else ''}"
 
 
-def _open_run(root: Path, pipeline_key: str, tags: dict[str, str], stage: str) -> _OpenRun:
+def _open_run(root: Path, pipeline_key: str, tags: dict[str, str], stage: str, priority: BackgroundPriority) -> _OpenRun:
     """Import MLflow, open the store, find or create the parent run and create the stage run."""
-    lowest_priority()
+    priority.lower()
     t0, cpu0 = time.perf_counter(), time.thread_time()
     try:
         tracker = Tracker(root)
@@ -267,8 +306,10 @@ def _open_run(root: Path, pipeline_key: str, tags: dict[str, str], stage: str) -
     return _OpenRun(tracker, parent, run_id, time.perf_counter() - t0, time.thread_time() - cpu0)
 
 
-def _wait(opening: Future) -> tuple[_OpenRun, float]:
+def _wait(opening: Future, priority: BackgroundPriority) -> tuple[_OpenRun, float]:
     t0 = time.perf_counter()
+    if not opening.done():
+        priority.restore()
     run = opening.result()
     return run, time.perf_counter() - t0
 
@@ -318,7 +359,8 @@ def stage_run(stage: str, root: Path | str = ".", params_path: str = "params.yam
     tags, pipeline_key = run_tags(stage, params, layout.root)
     hw = tags["lensemble.hardware_class"]
     pool = ThreadPoolExecutor(1, thread_name_prefix="mlflow-open")
-    opening = pool.submit(_open_run, layout.root, pipeline_key, tags, stage)
+    opening_priority = BackgroundPriority()
+    opening = pool.submit(_open_run, layout.root, pipeline_key, tags, stage, opening_priority)
     pool.shutdown(wait=False)
     staging = layout.root / ".staging" / f"{stage}-{uuid.uuid4().hex}"
     ctx = StageContext(stage, params, layout, MetricsSink(layout.metrics(), None, stage), Outputs(layout.root, staging), hw)
@@ -341,7 +383,7 @@ def stage_run(stage: str, root: Path | str = ".", params_path: str = "params.yam
         bad = violations(rows)
         if bad:
             raise BudgetExceeded(f"{stage}: invariant budget {bad[0]['name']} is {bad[0]['status']} its band ({bad[0]['value']})")
-        run, _ = _wait(opening)
+        run, _ = _wait(opening, opening_priority)
         ctx.sink.run_id = run.run_id
         manifest_rel = str(layout.manifest(stage).relative_to(layout.root))
         artifacts = [ctx.out.staging / p for p in ctx.out.written]
@@ -386,7 +428,7 @@ def stage_run(stage: str, root: Path | str = ".", params_path: str = "params.yam
         shutil.rmtree(staging, ignore_errors=True)
         reason = f"{type(exc).__name__}: {exc}" if str(exc) else "".join(traceback.format_exception_only(exc)).strip()
         if run is None and opening.exception() is None:
-            run, _ = _wait(opening)
+            run, _ = _wait(opening, opening_priority)
         if run is not None:
             run.tracker.finish(run.run_id, ok=False, reason=reason)
         raise

@@ -1,19 +1,20 @@
 """What users compare in DVC and MLflow: one parent per configuration, numeric summaries, per-site keys, live metrics."""
 from __future__ import annotations
 
+import os
 import sqlite3
 import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
 from lensemble.observability.manifest import git_state
 from lensemble.observability.metrics import MetricsSink
 from lensemble.observability.summary import flat, summarize
-from orchestration.runner import MetricsMirror, _OpenRun, mlflow_key, site_means
+from orchestration.runner import BackgroundPriority, MetricsMirror, _OpenRun, _wait, mlflow_key, site_means
 from orchestration.tracking import Tracker, patient, tracking_uri
 
 
@@ -190,3 +191,53 @@ def test_a_dvc_experiment_in_a_temporary_copy_records_into_its_workspace(tmp_pat
         monkeypatch.delenv("DVC_ROOT", raising=False)
     expected = (tmp_path / dvc_root if dvc_root else copy).resolve() / "mlflow.db"
     assert tracking_uri(copy) == f"sqlite:///{expected}"
+
+
+def _niceness(native_id: int) -> int:
+    return os.getpriority(os.PRIO_PROCESS, native_id)
+
+
+def test_the_opening_runs_niced_beside_the_stage_and_at_the_stages_priority_once_the_stage_waits_on_it():
+    priority, lowered, go, seen = BackgroundPriority(), threading.Event(), threading.Event(), {}
+
+    def opening():
+        priority.lower()
+        seen["id"] = threading.get_native_id()
+        lowered.set()
+        go.wait(30)
+        seen["while_waited_on"] = _niceness(seen["id"])
+        return "run"
+
+    own = _niceness(threading.get_native_id())
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(opening)
+        assert lowered.wait(30)
+        assert _niceness(seen["id"]) == 19  # beside the stage's work: idle CPU only
+        threading.Timer(0.2, go.set).start()
+        run, waited = _wait(future, priority)
+    assert run == "run" and waited > 0
+    if seen["while_waited_on"] == 19:
+        pytest.skip("raising a thread's priority is not permitted here (no CAP_SYS_NICE, RLIMIT_NICE 0): it stays niced")
+    assert seen["while_waited_on"] == own  # the stage waits on it: no longer starved by other work on the machine
+
+    late = BackgroundPriority()  # restored before it lowered itself (the stage got there first): never niced
+    assert late.restore()
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(lambda: (late.lower(), _niceness(threading.get_native_id()))[1]).result() == own
+
+
+def test_the_metrics_mirrors_thread_runs_niced_and_takes_the_stages_priority_when_handed_it(tmp_path):
+    opening: Future = Future()  # never opens: the mirror's thread waits, niced
+    mirror = MetricsMirror(MetricsSink(tmp_path / "m.jsonl", None, "gauge"), opening, interval=0.05)
+    deadline = time.monotonic() + 30
+    while mirror.priority._native_id is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    tid = mirror.priority._native_id
+    assert tid is not None and _niceness(tid) == 19
+    mirror.stop()
+    if not mirror.priority.restore():
+        pytest.skip("raising a thread's priority is not permitted here")
+    assert _niceness(tid) == _niceness(threading.get_native_id()) or not mirror._thread.is_alive()
+    opening.set_exception(RuntimeError("no store"))
+    mirror._thread.join(30)
+    assert not mirror._thread.is_alive()
