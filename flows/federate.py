@@ -94,7 +94,8 @@ def federate_flow(root: str = ".") -> None:
                 with coordinator_round():  # its serial work keeps a core the local-only baselines do not take
                     outcome = federation_round(fed, r, state, outer)
                     record, publication = record_round(ctx, fed, outcome)
-                    published.append(publish_round_artifacts.submit(**publication))
+                    # after the previous round's (wait_for): the artifacts' newest version is the newest round's
+                    published.append(publish_round_artifacts.submit(**publication, wait_for=published[-1:]))
                     commit_round(fed, state, outcome, record)
                 per_round = (time.monotonic() - t0) / (r + 1 - state.start)
                 log.info(round_line(record, p.federate.rounds, per_round * (p.federate.rounds - r - 1)))

@@ -93,8 +93,10 @@ def test_each_round_publishes_prefect_artifacts_and_its_orchestration_overhead(p
     rows = json.loads(newest.data) if isinstance(newest.data, str) else newest.data
     assert {r["site"] for r in rows} == {"site_a", "site_b"} and all(r["comm_bytes"] > 0 for r in rows)
     assert all("wire_bytes_per_param" in r["budget_status"] for r in rows)
-    note = sorted(notes, key=lambda a: a.created)[-1].data
-    assert note.startswith("# Federation round 1") and "| budget | value | band | status |" in note
+    note = sorted(notes, key=lambda a: a.created)[-1]
+    assert note.data.startswith("# Federation round 1") and "| budget | value | band | status |" in note.data
+    ours = sorted((a for a in notes if a.flow_run_id == note.flow_run_id), key=lambda a: a.created)
+    assert [a.data.splitlines()[0] for a in ours] == ["# Federation round 0", "# Federation round 1"]  # written in round order
     fed = _fed(project)
     for r in fed["per_round"]:
         assert 0 <= r["orchestration_seconds"] <= r["seconds"] and 0 < r["work_seconds"]
