@@ -144,6 +144,29 @@ def test_fused_step_equals_aggregate_then_reference_step_bit_for_bit(index, chun
         assert state_hash(params) == state_hash(ref_params) and state_hash(buf) == state_hash(ref_buf)
 
 
+@pytest.mark.parametrize("num_sites", range(1, 11))
+def test_secure_step_equals_the_reference_at_every_site_count(num_sites, kernel_path):
+    # The native ring sum groups up to four bodies a pass (4 + 4 + 2 + 1 ...): every site count from 1 to 10
+    # takes a different grouping, and every one must give the reference's bits. Codes near ±127 at every
+    # site make the sums wrap the ring's 16 bits before the masks cancel.
+    from lensemble.federation.secure_transport import SecureInt8Transport
+
+    gen = torch.Generator().manual_seed(num_sites)
+    numel = 2 * native.TILE + 77  # tiles and a ragged tail
+    params = {"w": torch.randn(numel, generator=gen)}
+    sites = tuple(f"s{i}" for i in range(num_sites))
+    transport, buf, ref_params, ref_buf = SecureInt8Transport(block=64), None, params, None
+    for r in range(2):
+        ctx = RoundContext("run", r, sites, param_spec(params))
+        deltas = {s: {"w": torch.randn(numel, generator=gen).sign() * 1e-2} for s in sites}
+        transport.begin_round(ctx)
+        transport.agree(ctx, {s: transport.announce(ctx, s, deltas[s]) for s in sites})
+        payloads = {s: transport.encode(ctx, s, deltas[s]) for s in sites}
+        ref_params, ref_buf = nesterov_step(ref_params, transport.aggregate(ctx, payloads), ref_buf, lr=0.7, momentum=0.9)
+        params, buf = outer.apply_outer_step(ctx, transport, transport.verify(ctx, payloads), params, buf, 0.7, 0.9)
+        assert state_hash(params) == state_hash(ref_params) and state_hash(buf) == state_hash(ref_buf)
+
+
 def test_the_native_kernel_is_used_where_it_can_be_built_and_self_checks_every_tile():
     from lensemble.federation.secure_transport import SecureInt8Transport
 
