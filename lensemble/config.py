@@ -154,6 +154,8 @@ class ObjectiveParams(Section):
     rollout_steps: int = Field(1, ge=0, description="Autoregressive rollout steps in L_pred: the Window's last k steps predicted from the steps before them.")
     proprio_weight: float = Field(1.0, ge=0.0, description="λ_prop: weight of the proprioception prediction error (normalised units).")
     probe_batch: int = Field(4, ge=1, description="Probe frames per step for L_anchor (a small share of the batch keeps the anchor cheap).")
+    pred_balance: Literal["none", "copy"] = Field(
+        "none", description="One model on several embodiments (Stage A): weigh each embodiment's L_pred by the inverse of its running copy error, the weights averaging 1 (`training.PredBalance`); none: every weight 1. Training on one embodiment is unchanged either way.")
 
 
 class TrainParams(Section):

@@ -42,9 +42,9 @@ from lensemble.config import ObjectiveParams, TrainParams
 from lensemble.data.windows import WindowSampler
 from lensemble.errors import ConfigError
 from lensemble.model.world_model import WorldModel
-from lensemble.objectives.losses import LossTerms, anchor_loss, prediction_loss, sigreg_tokens
+from lensemble.objectives.losses import LossTerms, anchor_loss, copy_error, prediction_loss, sigreg_tokens, weighted_total
 from lensemble.objectives.sigreg import sigreg
-from lensemble.training import StepDraws, StepLog, autocast_context
+from lensemble.training import PredBalance, StepDraws, StepLog, autocast_context
 
 
 def shard_rows(x_B: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -80,6 +80,7 @@ def sharded_world_model_loss(
     group: dist.ProcessGroup,
     probe_PCHW: torch.Tensor | None = None,
     global_probe_PND: torch.Tensor | None = None,
+    pred_weight: float = 1.0,
 ) -> LossTerms:
     """`world_model_loss` on this rank's shard, with SIGReg on the all-gathered global embeddings.
 
@@ -94,9 +95,8 @@ def sharded_world_model_loss(
         anc = anchor_loss(encoder, probe_PCHW, global_probe_PND)
     else:
         anc = torch.zeros((), dtype=pred.dtype)
-    total = (pred.float() + objective.proprio_weight * prop.float() + objective.sigreg_weight * reg.float()
-             + objective.anchor_weight * anc.float())
-    return LossTerms(total, pred.detach(), prop.detach(), reg.detach(), anc.detach())
+    total = weighted_total(pred, prop, reg, anc, pred_weight, objective.proprio_weight, objective.sigreg_weight, objective.anchor_weight)
+    return LossTerms(total, pred.detach(), prop.detach(), reg.detach(), anc.detach(), copy_error(z_all))  # the global batch's
 
 
 class SiteLoss(nn.Module):
@@ -113,9 +113,11 @@ class SiteLoss(nn.Module):
         self.heads = nn.ModuleDict({e: model.action_heads[e] for e in sorted(set(embodiments))})
 
     def forward(self, embodiment: str, frames_bTCHW, actions_bTK, proprio_bTQ, proprio_valid: int, directions_DM, sigreg_index,
-                objective: ObjectiveParams, group: dist.ProcessGroup, probe_PCHW=None, global_probe_PND=None) -> LossTerms:
+                objective: ObjectiveParams, group: dist.ProcessGroup, probe_PCHW=None, global_probe_PND=None,
+                pred_weight: float = 1.0) -> LossTerms:
         return sharded_world_model_loss(self.encoder, self.predictor, self.heads[embodiment], frames_bTCHW, actions_bTK, proprio_bTQ,
-                                        proprio_valid, directions_DM, sigreg_index, objective, group, probe_PCHW, global_probe_PND)
+                                        proprio_valid, directions_DM, sigreg_index, objective, group, probe_PCHW, global_probe_PND,
+                                        pred_weight)
 
 
 def shard_fsdp(model: WorldModel, mesh=None) -> WorldModel:
@@ -178,15 +180,18 @@ def ddp_train_steps(
     model.train()
     log = StepLog()
     draws = StepDraws(run_seed, round_idx, data_key)  # the same draws as train_steps, on every rank
+    balance = PredBalance(objective.pred_balance, [e for e, _ in samplers])
     for step in range(steps):
         embodiment, sampler, frames, actions, proprio, directions, sig_index, probe, global_probe = draws.draw(
             step, samplers, model, train, objective, probe_PCHW, global_probe_PND)
         with autocast_context(train.precision):
             terms = loss_module(embodiment, shard_rows(frames, rank, world), shard_rows(actions, rank, world), shard_rows(proprio, rank, world),
-                                sampler.proprio_valid, directions, sig_index, objective, gather_group, probe, global_probe)
+                                sampler.proprio_valid, directions, sig_index, objective, gather_group, probe, global_probe,
+                                balance.weight(embodiment))
         optimizer.zero_grad(set_to_none=True)
         terms.total.backward()
         optimizer.step()
+        balance.update(embodiment, float(terms.copy))  # the global batch's copy error: the same weights on every rank
         log.pred.append(float(terms.pred))
         log.proprio.append(float(terms.proprio))
         log.sigreg.append(float(terms.sigreg))

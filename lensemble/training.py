@@ -78,6 +78,41 @@ class StepDraws:
         return embodiment, sampler, frames, actions, proprio, directions, sig_index, probe, global_probe
 
 
+class PredBalance:
+    """Per-embodiment weights on L_pred when one model trains on several embodiments (objective.pred_balance).
+
+    Under one AdamW the embodiments share each parameter's second moment, so the one whose latent moves
+    furthest a step (the largest copy error, and the largest L_pred gradients) sets the step size of all:
+    in the default pooled run PushT's copy error is 3x the point mass's and the reacher's. `copy` weighs each
+    embodiment's L_pred by the inverse of its copy error (a running mean over its own batches, decay
+    `DECAY`), the weights averaging 1 over the embodiments: L_pred in units of "nothing moves", the units
+    the dynamics diagnostics read, with the total weight on L_pred unchanged. Weight 1 until every
+    embodiment has had a batch, and always with `none` or one embodiment (a site, local-only, a joining
+    robot), whose training is then bit for bit the unbalanced one. The weights read only past batches.
+    """
+
+    DECAY = 0.98
+
+    def __init__(self, mode: str, embodiments: Sequence[str]) -> None:
+        if mode not in ("none", "copy"):
+            raise ValueError(f"objective.pred_balance must be 'none' or 'copy', got {mode!r}")
+        self.active = mode == "copy" and len(set(embodiments)) > 1
+        self.embodiments = sorted(set(embodiments))
+        self.copy: dict[str, float] = {}
+
+    def weight(self, embodiment: str) -> float:
+        if not self.active or len(self.copy) < len(self.embodiments):
+            return 1.0
+        inverse = {e: 1.0 / max(self.copy[e], 1e-12) for e in self.embodiments}
+        return inverse[embodiment] * len(inverse) / sum(inverse.values())
+
+    def update(self, embodiment: str, copy: float) -> None:
+        if not self.active:
+            return
+        before = self.copy.get(embodiment)
+        self.copy[embodiment] = copy if before is None else self.DECAY * before + (1.0 - self.DECAY) * copy
+
+
 def scheduled_lr(train: TrainParams, step: int, total: int | None) -> float:
     """The inner learning rate at step `step` (0-based) of a `total`-step training; `total` None: `train.lr`.
 
@@ -122,6 +157,7 @@ def train_steps(
     model.train()
     log = StepLog()
     draws = StepDraws(run_seed, round_idx, data_key)
+    balance = PredBalance(objective.pred_balance, [e for e, _ in samplers])
     device = model_device(model)
     for step in range(steps):
         embodiment, sampler, frames, actions, proprio, directions, sig_index, probe, global_probe = draws.draw(
@@ -134,7 +170,7 @@ def train_steps(
                 proprio_valid=sampler.proprio_valid, proprio_weight=objective.proprio_weight,
                 sigreg_weight=objective.sigreg_weight, anchor_weight=objective.anchor_weight,
                 num_knots=objective.num_knots, t_max=objective.t_max, rollout_steps=objective.rollout_steps, sigreg_on=objective.sigreg_on,
-                probe_PCHW=probe, global_probe_PND=global_probe,
+                probe_PCHW=probe, global_probe_PND=global_probe, pred_weight=balance.weight(embodiment),
             )
         if schedule is not None:
             lr = scheduled_lr(train, schedule[0] + step, schedule[1])
@@ -145,6 +181,7 @@ def train_steps(
             terms.total.backward()
         with record_function("optimizer_step"):
             optimizer.step()
+        balance.update(embodiment, float(terms.copy))
         log.pred.append(float(terms.pred))
         log.proprio.append(float(terms.proprio))
         log.sigreg.append(float(terms.sigreg))

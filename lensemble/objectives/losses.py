@@ -23,6 +23,8 @@ class LossTerms:
     proprio: torch.Tensor
     sigreg: torch.Tensor
     anchor: torch.Tensor
+    copy: torch.Tensor
+    """The batch's copy error (detached): what L_pred's teacher-forced term would be if the latent never moved."""
 
 
 def prediction_loss(predictor: Predictor | AdaptedPredictor, z_BTND: torch.Tensor, q_BTQ: torch.Tensor, act_BTA: torch.Tensor, rollout_steps: int,
@@ -47,6 +49,11 @@ def prediction_loss(predictor: Predictor | AdaptedPredictor, z_BTND: torch.Tenso
         lat = lat + F.mse_loss(z_roll.float(), z_BTND[:, C:].float())
         prop = prop + F.mse_loss(q_roll[..., :proprio_valid].float(), q_BTQ[:, C:, :proprio_valid].float())
     return lat, prop
+
+
+def copy_error(z_BTND: torch.Tensor) -> torch.Tensor:
+    """MSE of "nothing moves" on a batch, fp32 and detached: ẑ_{t+1} = z_t against z_{t+1} for every t."""
+    return F.mse_loss(z_BTND[:, :-1].detach().float(), z_BTND[:, 1:].detach().float())
 
 
 def sigreg_tokens(z_BTND: torch.Tensor, sigreg_on: str, sigreg_index: torch.Tensor | None) -> torch.Tensor:
@@ -91,8 +98,12 @@ def world_model_loss(
     sigreg_on: str = "tokens",
     probe_PCHW: torch.Tensor | None = None,
     global_probe_PND: torch.Tensor | None = None,
+    pred_weight: float = 1.0,
 ) -> LossTerms:
     """All terms of L for one batch; the anchor is 0 when no global probe embedding is given.
+
+    `pred_weight` multiplies L_pred in the total (pooled training's per-embodiment balance,
+    `training.PredBalance`; 1 everywhere else). The returned terms are unweighted.
 
     The profiler spans (encoder_forward, predictor_step, sigreg_anchor) are the profiling plan's
     (spec 08 §6); `record_function` only labels, it changes no number.
@@ -118,5 +129,12 @@ def world_model_loss(
             anc = F.mse_loss(z_probe.float(), global_probe_PND.float())  # = anchor_loss(encoder, probe, global), same pass
         else:
             anc = torch.zeros((), dtype=torch.float32, device=pred.device)
-    total = pred.float() + proprio_weight * prop.float() + sigreg_weight * reg.float() + anchor_weight * anc.float()
-    return LossTerms(total, pred.detach(), prop.detach(), reg.detach(), anc.detach())
+    total = weighted_total(pred, prop, reg, anc, pred_weight, proprio_weight, sigreg_weight, anchor_weight)
+    return LossTerms(total, pred.detach(), prop.detach(), reg.detach(), anc.detach(), copy_error(z))
+
+
+def weighted_total(pred: torch.Tensor, prop: torch.Tensor, reg: torch.Tensor, anc: torch.Tensor, pred_weight: float,
+                   proprio_weight: float, sigreg_weight: float, anchor_weight: float) -> torch.Tensor:
+    """L = w_pred · L_pred + λ_prop · L_proprio + λ_sig · SIGReg + λ_anc · L_anchor, accumulated in fp32."""
+    latent = pred.float() if pred_weight == 1.0 else pred_weight * pred.float()  # weight 1: the unweighted bits
+    return latent + proprio_weight * prop.float() + sigreg_weight * reg.float() + anchor_weight * anc.float()
