@@ -107,3 +107,23 @@ def test_one_pass_over_many_sites_counts_what_each_sites_own_scan_counts(monkeyp
         assert found["a"]["values"] > 0 and found["a"]["frames"] == 1  # the planted rows are found
         assert found["b"]["values"] > 0 and found["c"] == {"values": 0, "frames": 0}
         assert scan_many(blob, {}) == {}
+
+
+def test_a_text_pair_counts_only_when_its_decimal_forms_are_improbable_by_chance():
+    # The false alarm this rule fixes: the point mass's x = 0.07424 (a private float32 that is a 4-digit decimal)
+    # after a zero velocity, and a Prefect run time "total_run_time": 0.07424 after a "0" in a database with no
+    # private row. A short pair is as likely a coincidence as a leak; the same value beside a full-precision
+    # neighbour, as a leaked stream writes it, still counts, and raw bytes count whatever their values.
+    stream = np.array([[0.12345679, 0.0, 0.07424, 0.17514472, -0.37386632]], np.float32)
+    index = PrivateIndex(value_keys(stream), np.zeros((0, 6), np.uint64))
+    assert [audit.significant_digits(np.float32(x)) for x in stream[0]] == [8, 1, 4, 8, 8]
+    assert index.scan_floats([0.0, 0.07424]) == 0  # 1 + 4 digits
+    assert index.scan_floats([0.07424, float(np.float32(0.17514472))]) == 1  # 4 + 8
+    assert index.scan_floats([float(np.float32(0.12345679)), 0.0]) == 1  # 8 + 1, the rule's floor
+    assert index.scan_floats([float(x) for x in stream[0]]) == 3
+    assert scan_data_many(b'{"state": "COMPLETED", "retries": 0, "total_run_time": 0.07424}', ".json", {"s": index}) == {
+        "s": {"values": 0, "frames": 0}}
+    leaked = ", ".join(f"{float(x):.9g}" for x in stream[0]).encode()  # the stream as text
+    assert scan_data_many(leaked, ".json", {"s": index})["s"]["values"] == 3
+    assert scan_data_many(stream[0, 1:3].tobytes(), ".bin", {"s": index})["s"]["values"] == 1  # (0, 0.07424) as raw bytes
+    assert [audit.significant_digits(x) for x in (np.float32(np.inf), np.float32(np.nan), np.float32(-1.5e-7))] == [0, 0, 2]

@@ -21,7 +21,8 @@ tested), pre-filters every word with one lookup in a 4 MiB bitmap and resolves t
 with binary search; its cost is a few passes over the blob. `scan_file` (and `scan_data`, and
 `scan_blobs` for objects that are not local files, such as the exchange's run tree) also looks
 inside what a file may encode: images (decoded pixels), zip and gzip members, base64 and hex runs,
-and numbers written as text (consecutive numbers as float32 pairs; runs of integers 0..255 as bytes).
+and numbers written as text (consecutive numbers as float32 pairs, counted when their decimal forms
+carry `TEXT_PAIR_DIGITS` significant digits together; runs of integers 0..255 as bytes).
 Several sites' indexes are scanned in one pass (`scan_many`: one pre-filter on the union of their
 bitmaps, then each index resolves the candidates).
 
@@ -226,15 +227,19 @@ class PrivateIndex:
         return found
 
     def scan_floats(self, values: Iterable[float]) -> int:
-        """Hits among consecutive numbers taken as float32 (e.g. a list in a metrics record)."""
-        return self._float_hits(_float_pairs(values))
+        """Hits among consecutive numbers taken as float32 (e.g. a list in a metrics record): pairs that are
+        private pairs and carry `TEXT_PAIR_DIGITS` significant digits together."""
+        return self._float_hits(_pair_values(values))
 
-    def _float_hits(self, words: np.ndarray) -> int:
-        """Hits among `_float_pairs` words (all of them, or any superset of those this index's bitmap passes)."""
-        if not len(self.values) or not len(words):
+    def _float_hits(self, pairs: np.ndarray) -> int:
+        """Hits among `_pair_values` pairs [n, 2] float32 (all of them, or any superset of those this index's bitmap
+        passes); a private pair counts when its decimal forms carry `TEXT_PAIR_DIGITS` digits together."""
+        if not len(self.values) or not len(pairs):
             return 0
+        words = pairs.view("<u8").ravel()
         pos = np.minimum(np.searchsorted(self.values, words), len(self.values) - 1)
-        return int((self.values[pos] == words).sum())
+        matched = np.flatnonzero(self.values[pos] == words)
+        return sum(significant_digits(a) + significant_digits(b) >= TEXT_PAIR_DIGITS for a, b in pairs[matched])
 
 
 def _candidates(arr: np.ndarray, bitmap: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -268,14 +273,33 @@ def _numpy_candidates(arr: np.ndarray, bitmap: np.ndarray) -> tuple[np.ndarray, 
     return np.concatenate(offsets), np.concatenate(words)
 
 
-def _float_pairs(values: Iterable[float]) -> np.ndarray:
-    """Every pair of consecutive numbers, taken as float32, as the uint64 word it makes."""
+TEXT_PAIR_DIGITS = 9
+"""Significant decimal digits a pair of text numbers must carry together to count as a private pair.
+
+A private float32 written out as text carries its shortest decimal form: 7-9 significant digits for
+almost every value, so a leaked pair of them carries 14-18 (and a value beside a zero, 8-10). A few
+private values are short decimals (the point mass's x = 0.07424 at one step, 4 digits), and a Prefect
+database holds tens of millions of short numbers (run times such as "total_run_time": 0.07424, counts,
+zeros): beside a "0", that one value was found in a 259 MB database that held no private row. A pair
+whose two decimal forms carry fewer digits than this is as likely a coincidence as a leak, so it is
+not counted; raw and decoded bytes are matched as before, whatever their values."""
+
+
+def _pair_values(values: Iterable[float]) -> np.ndarray:
+    """Every pair of consecutive numbers, taken as float32: [n - 1, 2]."""
     v = np.asarray(values if isinstance(values, np.ndarray) else list(values), dtype=np.float64)
     if v.size < 2:
-        return np.zeros(0, np.uint64)
+        return np.zeros((0, 2), np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
-        pairs = np.ascontiguousarray(np.lib.stride_tricks.sliding_window_view(v.astype(np.float32), 2))
-    return pairs.view("<u8").ravel()
+        return np.ascontiguousarray(np.lib.stride_tricks.sliding_window_view(v.astype(np.float32), 2))
+
+
+def significant_digits(x: np.float32) -> int:
+    """Significant digits of the shortest decimal form that reads back as the float32 `x` (0 for inf and NaN, 1 for 0)."""
+    if not np.isfinite(x):
+        return 0
+    mantissa = np.format_float_scientific(np.float32(x), unique=True, trim="-").split("e")[0]
+    return sum(c.isdigit() for c in mantissa)
 
 
 def union_bitmap(indexes: Mapping[str, PrivateIndex]) -> np.ndarray:
@@ -294,12 +318,12 @@ def scan_many(blob, indexes: Mapping[str, PrivateIndex], numbers: Iterable[float
     arr = np.frombuffer(blob, dtype=np.uint8)
     bitmap = union_bitmap(indexes) if bitmap is None else bitmap
     candidates = _candidates(arr, bitmap)
-    words = _float_pairs(numbers)
-    words = words[bitmap[_slot(words)]] if len(words) else words
+    pairs = _pair_values(numbers)
+    pairs = pairs[bitmap[_slot(pairs.view("<u8").ravel())]] if len(pairs) else pairs
     found = {}
     for site, index in indexes.items():
         hits = index._resolve(arr, candidates)
-        hits["values"] += index._float_hits(words)
+        hits["values"] += index._float_hits(pairs)
         found[site] = hits
     return found
 
