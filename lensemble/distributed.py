@@ -191,7 +191,7 @@ def ddp_train_steps(
         optimizer.zero_grad(set_to_none=True)
         terms.total.backward()
         optimizer.step()
-        balance.update(embodiment, float(terms.copy))  # the global batch's copy error: the same weights on every rank
+        balance.update(embodiment, terms.copy)  # the global batch's copy error: the same weights on every rank
         log.pred.append(float(terms.pred))
         log.proprio.append(float(terms.proprio))
         log.sigreg.append(float(terms.sigreg))

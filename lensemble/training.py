@@ -88,7 +88,8 @@ class PredBalance:
     `DECAY`), the weights averaging 1 over the embodiments: L_pred in units of "nothing moves", the units
     the dynamics diagnostics read, with the total weight on L_pred unchanged. Weight 1 until every
     embodiment has had a batch, and always with `none` or one embodiment (a site, local-only, a joining
-    robot), whose training is then bit for bit the unbalanced one. The weights read only past batches.
+    robot), whose training is then bit for bit the unbalanced one. The weights read only past batches of the
+    same `train_steps` call (Stage A trains in one).
     """
 
     DECAY = 0.98
@@ -106,10 +107,11 @@ class PredBalance:
         inverse = {e: 1.0 / max(self.copy[e], 1e-12) for e in self.embodiments}
         return inverse[embodiment] * len(inverse) / sum(inverse.values())
 
-    def update(self, embodiment: str, copy: float) -> None:
+    def update(self, embodiment: str, copy: torch.Tensor | float) -> None:
+        """After a step on `embodiment`: its batch's copy error (`LossTerms.copy`), read only when balancing."""
         if not self.active:
             return
-        before = self.copy.get(embodiment)
+        copy, before = float(copy), self.copy.get(embodiment)
         self.copy[embodiment] = copy if before is None else self.DECAY * before + (1.0 - self.DECAY) * copy
 
 
@@ -181,7 +183,7 @@ def train_steps(
             terms.total.backward()
         with record_function("optimizer_step"):
             optimizer.step()
-        balance.update(embodiment, float(terms.copy))
+        balance.update(embodiment, terms.copy)
         log.pred.append(float(terms.pred))
         log.proprio.append(float(terms.proprio))
         log.sigreg.append(float(terms.sigreg))

@@ -131,6 +131,29 @@ class _OpenRun:
     cpu_seconds: float  # CPU time of the opening thread: an upper bound on what it took from the stage
 
 
+CAP_SYS_NICE = 23  # linux/capability.h
+
+
+def can_raise_priority(to: int, status: str | None = None, rlimit_nice: int | None = None) -> bool:
+    """Whether this process may set a thread's niceness back down to `to` once it has raised it: with
+    CAP_SYS_NICE in its effective set (`status`: /proc/self/status's text), or when RLIMIT_NICE's soft
+    limit (`rlimit_nice`) allows niceness down to 20 - limit (setpriority(2)). False where neither is known."""
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_NICE)[0] if rlimit_nice is None else rlimit_nice
+        if limit == resource.RLIM_INFINITY or 20 - limit <= to:
+            return True
+    except (ImportError, AttributeError, ValueError, OSError):
+        pass
+    try:
+        text = Path("/proc/self/status").read_text() if status is None else status
+    except OSError:
+        return False
+    caps = next((line.split()[1] for line in text.splitlines() if line.startswith("CapEff:")), None)
+    return caps is not None and bool(int(caps, 16) >> CAP_SYS_NICE & 1)
+
+
 class BackgroundPriority:
     """A background thread's priority: lowest while the stage works beside it, the stage's own once the stage
     waits on it.
@@ -144,8 +167,10 @@ class BackgroundPriority:
     `restore()` (by the stage, before it waits on the thread) gives it the stage's niceness back: the stage's
     own work is done, so the thread takes nothing from it, and at 19 on a machine busy with other work it
     got ~1.5% of a core (a gauge stage beside two busy processes: 103.7 s against 6.2 s quiet). Raising a
-    priority needs CAP_SYS_NICE or a RLIMIT_NICE that allows it; without, the thread stays niced and
-    `restore` returns False. A thread restored before it lowered itself is never niced.
+    priority needs CAP_SYS_NICE or a RLIMIT_NICE that allows it (`can_raise_priority`): where neither does,
+    as for most unprivileged users, `lower()` leaves the thread at the stage's niceness, so it competes with
+    the stage's work (the interference above) rather than starving for the rest of the stage once the stage
+    waits on it. A thread restored before it lowered itself is never niced.
     """
 
     def __init__(self) -> None:
@@ -159,6 +184,8 @@ class BackgroundPriority:
             if self._restored:
                 return
             try:
+                if not can_raise_priority(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())):
+                    return  # niced, it could never be handed the stage's priority back
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
             except (AttributeError, OSError):  # not Linux, or not permitted: run at normal priority
                 return

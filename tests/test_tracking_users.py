@@ -2,19 +2,21 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from lensemble.observability.manifest import git_state
 from lensemble.observability.metrics import MetricsSink
 from lensemble.observability.summary import flat, summarize
-from orchestration.runner import BackgroundPriority, MetricsMirror, _OpenRun, _wait, mlflow_key, site_means
+from orchestration.runner import BackgroundPriority, MetricsMirror, _OpenRun, _wait, can_raise_priority, mlflow_key, site_means
 from orchestration.tracking import Tracker, patient, tracking_uri
 
 
@@ -241,3 +243,40 @@ def test_the_metrics_mirrors_thread_runs_niced_and_takes_the_stages_priority_whe
     opening.set_exception(RuntimeError("no store"))
     mirror._thread.join(30)
     assert not mirror._thread.is_alive()
+
+
+def test_can_raise_priority_reads_the_capability_and_the_nice_limit():
+    root_caps, no_nice = "CapEff:\t000001ffffffffff\n", "Name:\tpython\nCapEff:\t000001fffe7fffff\n"  # bit 23: CAP_SYS_NICE
+    assert can_raise_priority(0, status=root_caps, rlimit_nice=0)
+    assert not can_raise_priority(0, status=no_nice, rlimit_nice=0)  # an unprivileged user's default: nice only goes up
+    assert can_raise_priority(0, status=no_nice, rlimit_nice=20)  # RLIMIT_NICE 20: down to 20 - 20 = 0
+    assert not can_raise_priority(-5, status=no_nice, rlimit_nice=20)
+    assert can_raise_priority(5, status=no_nice, rlimit_nice=15)
+    assert not can_raise_priority(0, status="Name:\tpython\n", rlimit_nice=0)  # unknown: not assumed
+
+
+SETPRIV = shutil.which("setpriv")
+
+
+@pytest.mark.skipif(SETPRIV is None or not can_raise_priority(0), reason="needs setpriv and CAP_SYS_NICE to drop")
+def test_without_cap_sys_nice_the_background_thread_is_never_niced():
+    # The same process without CAP_SYS_NICE (RLIMIT_NICE 0): a thread niced to 19 could never be handed the stage's
+    # priority back, and would starve once the stage waits on it, so it is left at the stage's niceness.
+    script = (
+        "import os, threading\n"
+        "from orchestration.runner import BackgroundPriority, can_raise_priority\n"
+        "p, seen = BackgroundPriority(), {}\n"
+        "def body():\n"
+        "    p.lower()\n"
+        "    seen['nice'] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())\n"
+        "t = threading.Thread(target=body); t.start(); t.join()\n"
+        "own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())\n"
+        "print(can_raise_priority(own), seen['nice'] == own, p.restore())\n"
+    )
+    drop = [SETPRIV, "--inh-caps=-sys_nice", "--ambient-caps=-sys_nice", "--bounding-set=-sys_nice"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([*drop, sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    if out.returncode != 0 and "setpriv" in out.stderr:
+        pytest.skip(f"setpriv cannot drop the capability here: {out.stderr.strip()[:200]}")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True", "True"]
