@@ -199,6 +199,11 @@ def _niceness(native_id: int) -> int:
     return os.getpriority(os.PRIO_PROCESS, native_id)
 
 
+NICE_RESTORABLE = can_raise_priority(os.getpriority(os.PRIO_PROCESS, 0))
+NO_NICE_SKIP = "raising a thread's priority is not permitted here (no CAP_SYS_NICE, RLIMIT_NICE 0): background threads are never niced"
+
+
+@pytest.mark.skipif(not NICE_RESTORABLE, reason=NO_NICE_SKIP)
 def test_the_opening_runs_niced_beside_the_stage_and_at_the_stages_priority_once_the_stage_waits_on_it():
     priority, lowered, go, seen = BackgroundPriority(), threading.Event(), threading.Event(), {}
 
@@ -218,8 +223,6 @@ def test_the_opening_runs_niced_beside_the_stage_and_at_the_stages_priority_once
         threading.Timer(0.2, go.set).start()
         run, waited = _wait(future, priority)
     assert run == "run" and waited > 0
-    if seen["while_waited_on"] == 19:
-        pytest.skip("raising a thread's priority is not permitted here (no CAP_SYS_NICE, RLIMIT_NICE 0): it stays niced")
     assert seen["while_waited_on"] == own  # the stage waits on it: no longer starved by other work on the machine
 
     late = BackgroundPriority()  # restored before it lowered itself (the stage got there first): never niced
@@ -228,6 +231,7 @@ def test_the_opening_runs_niced_beside_the_stage_and_at_the_stages_priority_once
         assert pool.submit(lambda: (late.lower(), _niceness(threading.get_native_id()))[1]).result() == own
 
 
+@pytest.mark.skipif(not NICE_RESTORABLE, reason=NO_NICE_SKIP)
 def test_the_metrics_mirrors_thread_runs_niced_and_takes_the_stages_priority_when_handed_it(tmp_path):
     opening: Future = Future()  # never opens: the mirror's thread waits, niced
     mirror = MetricsMirror(MetricsSink(tmp_path / "m.jsonl", None, "gauge"), opening, interval=0.05)
@@ -237,8 +241,7 @@ def test_the_metrics_mirrors_thread_runs_niced_and_takes_the_stages_priority_whe
     tid = mirror.priority._native_id
     assert tid is not None and _niceness(tid) == 19
     mirror.stop()
-    if not mirror.priority.restore():
-        pytest.skip("raising a thread's priority is not permitted here")
+    assert mirror.priority.restore()
     assert _niceness(tid) == _niceness(threading.get_native_id())  # still waiting on the opening: alive
     opening.set_exception(RuntimeError("no store"))
     mirror._thread.join(30)
@@ -258,7 +261,7 @@ def test_can_raise_priority_reads_the_capability_and_the_nice_limit():
 SETPRIV = shutil.which("setpriv")
 
 
-@pytest.mark.skipif(SETPRIV is None or not can_raise_priority(0), reason="needs setpriv and CAP_SYS_NICE to drop")
+@pytest.mark.skipif(SETPRIV is None or not NICE_RESTORABLE, reason="needs setpriv and CAP_SYS_NICE to drop")
 def test_without_cap_sys_nice_the_background_thread_is_never_niced():
     # The same process without CAP_SYS_NICE (RLIMIT_NICE 0): a thread niced to 19 could never be handed the stage's
     # priority back, and would starve once the stage waits on it, so it is left at the stage's niceness.
