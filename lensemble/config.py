@@ -166,6 +166,7 @@ class TrainParams(Section):
     lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Inner learning rate over a model's whole training: constant, or linear warm-up then cosine decay to lr_final_fraction x lr (pooled: over centralized.steps; federated and local-only: over rounds x H, each round continuing where the last left off).")
     warmup_steps: int = Field(0, ge=0, description="cosine: linear warm-up steps from lr / warmup_steps to lr.")
     lr_final_fraction: float = Field(0.1, ge=0.0, le=1.0, description="cosine: the learning rate at the last step, as a fraction of lr.")
+    freeze_encoder_at: float = Field(1.0, ge=0.0, le=1.0, description="Share of a model's training (pooled: centralized.steps; federated and local-only: rounds x H, as lr_schedule counts) after which the encoder stops learning: later steps train the predictor, proprio layers and action heads against a fixed latent (as DINO-WM and V-JEPA 2-AC predict in a frozen encoder's space). The encoder learns in steps s < round(freeze_encoder_at x total); 1.0: always.")
 
 
 class CentralizedParams(Section):

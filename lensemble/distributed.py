@@ -24,6 +24,8 @@ convert between a sharded model + optimizer and the single-process state dicts t
 `tasks.train.site_train` saves, so a site can switch between the two between rounds.
 
 The match is to fp tolerance, not bitwise: the shard gradients are summed in a different order.
+With a `schedule`, the learning rate and the encoder's freeze (train.freeze_encoder_at) follow it as in
+`train_steps`; DDP fixes its reduced parameters at wrap time, so the steps after the freeze get a wrap of their own.
 
 Shape legend: B global batch, b = B/W per-rank batch, T frames, N tokens, D latent width,
 K action dim, P probe frames.
@@ -44,7 +46,7 @@ from lensemble.errors import ConfigError
 from lensemble.model.world_model import WorldModel
 from lensemble.objectives.losses import LossTerms, anchor_loss, copy_error, prediction_loss, sigreg_tokens, weighted_total
 from lensemble.objectives.sigreg import sigreg
-from lensemble.training import PredBalance, StepDraws, StepLog, autocast_context
+from lensemble.training import PredBalance, StepDraws, StepLog, autocast_context, encoder_learns, scheduled_lr, set_trainable
 
 
 def shard_rows(x_B: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -161,8 +163,13 @@ def ddp_train_steps(
     probe_PCHW: torch.Tensor | None = None,
     global_probe_PND: torch.Tensor | None = None,
     group: dist.ProcessGroup | None = None,
+    schedule: tuple[int, int] | None = None,
 ) -> StepLog:
     """`train_steps`, data-parallel over the ranks of `group` (default: the world); call on every rank.
+
+    `schedule` (offset, total) as in `train_steps`: the scheduled learning rate, and the encoder frozen where
+    `encoder_learns` says so. DDP fixes at wrap time which parameters it reduces, so a call whose steps
+    straddle the freeze step wraps twice: the steps before it with the encoder, the steps after without.
 
     `model` is a plain WorldModel (wrapped in DDP here; identical on every rank, DDP broadcasts
     rank 0's parameters at wrap time) or one already sharded by `shard_fsdp` (then `optimizer` must
@@ -170,32 +177,50 @@ def ddp_train_steps(
     the same StepLog on every rank: L_pred averaged over the shards (= the global-batch L_pred),
     SIGReg and anchor as computed (identical on every rank).
     """
+    if schedule is not None and schedule[0] + steps > schedule[1]:
+        raise ValueError(f"steps {schedule[0]}..{schedule[0] + steps - 1} run past the {schedule[1]}-step schedule")
+    split = steps
+    if schedule is not None:  # the first step of this call at which the encoder no longer learns
+        split = next((s for s in range(steps) if not encoder_learns(train, schedule[0] + s, schedule[1])), steps)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     # SIGReg's all-gather runs inside backward while DDP all-reduces gradient buckets: its own group
     # keeps the two streams of collectives from interleaving on one communicator
     gather_group = dist.new_group(dist.get_process_group_ranks(group) if group is not None else None, backend=dist.get_backend(group))
-    loss_module: nn.Module = SiteLoss(model, [e for e, _ in samplers])
-    if not is_fsdp(model):
-        loss_module = DistributedDataParallel(loss_module, process_group=group, find_unused_parameters=len(loss_module.heads) > 1)
     model.train()
     log = StepLog()
     draws = StepDraws(run_seed, round_idx, data_key)  # the same draws as train_steps, on every rank
     balance = PredBalance(objective.pred_balance, [e for e, _ in samplers])
-    for step in range(steps):
-        embodiment, sampler, frames, actions, proprio, directions, sig_index, probe, global_probe = draws.draw(
-            step, samplers, model, train, objective, probe_PCHW, global_probe_PND)
-        with autocast_context(train.precision):
-            terms = loss_module(embodiment, shard_rows(frames, rank, world), shard_rows(actions, rank, world), shard_rows(proprio, rank, world),
-                                sampler.proprio_valid, directions, sig_index, objective, gather_group, probe, global_probe,
-                                balance.weight(embodiment))
-        optimizer.zero_grad(set_to_none=True)
-        terms.total.backward()
-        optimizer.step()
-        balance.update(embodiment, terms.copy)  # the global batch's copy error: the same weights on every rank
-        log.pred.append(float(terms.pred))
-        log.proprio.append(float(terms.proprio))
-        log.sigreg.append(float(terms.sigreg))
-        log.anchor.append(float(terms.anchor))
+    on_entry = [p.requires_grad for p in model.encoder.parameters()]
+    try:
+        for first, stop, learns in ((0, split, True), (split, steps, False)):
+            if first == stop:
+                continue
+            if not learns:
+                set_trainable(model.encoder, False)
+            loss_module: nn.Module = SiteLoss(model, [e for e, _ in samplers])
+            if not is_fsdp(model):
+                loss_module = DistributedDataParallel(loss_module, process_group=group, find_unused_parameters=len(loss_module.heads) > 1)
+            for step in range(first, stop):
+                embodiment, sampler, frames, actions, proprio, directions, sig_index, probe, global_probe = draws.draw(
+                    step, samplers, model, train, objective, probe_PCHW, global_probe_PND)
+                with autocast_context(train.precision):
+                    terms = loss_module(embodiment, shard_rows(frames, rank, world), shard_rows(actions, rank, world),
+                                        shard_rows(proprio, rank, world), sampler.proprio_valid, directions, sig_index, objective, gather_group,
+                                        probe, global_probe, balance.weight(embodiment))
+                if schedule is not None:
+                    for g in optimizer.param_groups:
+                        g["lr"] = scheduled_lr(train, schedule[0] + step, schedule[1])
+                optimizer.zero_grad(set_to_none=True)
+                terms.total.backward()
+                optimizer.step()
+                balance.update(embodiment, terms.copy)  # the global batch's copy error: the same weights on every rank
+                log.pred.append(float(terms.pred))
+                log.proprio.append(float(terms.proprio))
+                log.sigreg.append(float(terms.sigreg))
+                log.anchor.append(float(terms.anchor))
+    finally:
+        for p, flag in zip(model.encoder.parameters(), on_entry):
+            p.requires_grad_(flag)
     pred = torch.tensor(log.pred, dtype=torch.float64)
     dist.all_reduce(pred, group=group)  # one collective for the whole log, not one per step
     log.pred = (pred / world).tolist()

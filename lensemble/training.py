@@ -133,6 +133,18 @@ def scheduled_lr(train: TrainParams, step: int, total: int | None) -> float:
     return train.lr * (final + (1.0 - final) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
+def encoder_learns(train: TrainParams, step: int, total: int) -> bool:
+    """Whether the encoder learns at step `step` (0-based) of a `total`-step training: in the first
+    round(train.freeze_encoder_at x total) steps (`TrainParams.freeze_encoder_at`)."""
+    return step < round(train.freeze_encoder_at * total)
+
+
+def set_trainable(module: torch.nn.Module, trainable: bool) -> None:
+    """requires_grad of every parameter of `module`."""
+    for p in module.parameters():
+        p.requires_grad_(trainable)
+
+
 def train_steps(
     model: WorldModel,
     optimizer: torch.optim.Optimizer,
@@ -152,7 +164,10 @@ def train_steps(
     """`steps` AdamW steps; step i trains on samplers[i % len(samplers)] (round-robin pooling).
 
     `schedule` (offset, total): these steps are steps offset .. offset + steps - 1 of a `total`-step
-    training, and take `scheduled_lr`'s rate there; None: every step at the optimizer's own rate (a head re-fit).
+    training, and take `scheduled_lr`'s rate there, the encoder learning only while `encoder_learns`;
+    None: every step at the optimizer's own rate, the parameters trainable as the caller left them (a head re-fit).
+    A frozen encoder gets no gradient, so AdamW leaves it untouched (no update, no weight decay); on return the
+    encoder is trainable as it was on entry.
     """
     if schedule is not None and schedule[0] + steps > schedule[1]:
         raise ValueError(f"steps {schedule[0]}..{schedule[0] + steps - 1} run past the {schedule[1]}-step schedule")
@@ -161,36 +176,46 @@ def train_steps(
     draws = StepDraws(run_seed, round_idx, data_key)
     balance = PredBalance(objective.pred_balance, [e for e, _ in samplers])
     device = model_device(model)
-    for step in range(steps):
-        embodiment, sampler, frames, actions, proprio, directions, sig_index, probe, global_probe = draws.draw(
-            step, samplers, model, train, objective, probe_PCHW, global_probe_PND)  # drawn on the CPU: same draws on any device
-        frames, actions, proprio, directions, sig_index, probe, global_probe = (
-            None if t is None else to_device(t, device) for t in (frames, actions, proprio, directions, sig_index, probe, global_probe))
-        with autocast_context(train.precision, device.type):
-            terms = world_model_loss(
-                model.encoder, model.predictor_for(embodiment), model.action_heads[embodiment], frames, actions, proprio, directions, sig_index,
-                proprio_valid=sampler.proprio_valid, proprio_weight=objective.proprio_weight,
-                sigreg_weight=objective.sigreg_weight, anchor_weight=objective.anchor_weight,
-                num_knots=objective.num_knots, t_max=objective.t_max, rollout_steps=objective.rollout_steps, sigreg_on=objective.sigreg_on,
-                probe_PCHW=probe, global_probe_PND=global_probe, pred_weight=balance.weight(embodiment),
-            )
-        if schedule is not None:
-            lr = scheduled_lr(train, schedule[0] + step, schedule[1])
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-        optimizer.zero_grad(set_to_none=True)
-        with record_function("backward"):
-            terms.total.backward()
-        with record_function("optimizer_step"):
-            optimizer.step()
-        balance.update(embodiment, terms.copy)
-        log.pred.append(float(terms.pred))
-        log.proprio.append(float(terms.proprio))
-        log.sigreg.append(float(terms.sigreg))
-        log.anchor.append(float(terms.anchor))
-        if on_step is not None:
-            on_step(step, {"loss/pred": log.pred[-1], "loss/proprio": log.proprio[-1], "loss/sigreg": log.sigreg[-1],
-                           "loss/anchor": log.anchor[-1]})
+    freezes = schedule is not None and train.freeze_encoder_at < 1.0
+    on_entry = [p.requires_grad for p in model.encoder.parameters()]
+    learning = None
+    try:
+        for step in range(steps):
+            if freezes and learning != (learns := encoder_learns(train, schedule[0] + step, schedule[1])):
+                set_trainable(model.encoder, learns)
+                learning = learns
+            embodiment, sampler, frames, actions, proprio, directions, sig_index, probe, global_probe = draws.draw(
+                step, samplers, model, train, objective, probe_PCHW, global_probe_PND)  # drawn on the CPU: same draws on any device
+            frames, actions, proprio, directions, sig_index, probe, global_probe = (
+                None if t is None else to_device(t, device) for t in (frames, actions, proprio, directions, sig_index, probe, global_probe))
+            with autocast_context(train.precision, device.type):
+                terms = world_model_loss(
+                    model.encoder, model.predictor_for(embodiment), model.action_heads[embodiment], frames, actions, proprio, directions, sig_index,
+                    proprio_valid=sampler.proprio_valid, proprio_weight=objective.proprio_weight,
+                    sigreg_weight=objective.sigreg_weight, anchor_weight=objective.anchor_weight,
+                    num_knots=objective.num_knots, t_max=objective.t_max, rollout_steps=objective.rollout_steps, sigreg_on=objective.sigreg_on,
+                    probe_PCHW=probe, global_probe_PND=global_probe, pred_weight=balance.weight(embodiment),
+                )
+            if schedule is not None:
+                lr = scheduled_lr(train, schedule[0] + step, schedule[1])
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+            optimizer.zero_grad(set_to_none=True)
+            with record_function("backward"):
+                terms.total.backward()
+            with record_function("optimizer_step"):
+                optimizer.step()
+            balance.update(embodiment, terms.copy)
+            log.pred.append(float(terms.pred))
+            log.proprio.append(float(terms.proprio))
+            log.sigreg.append(float(terms.sigreg))
+            log.anchor.append(float(terms.anchor))
+            if on_step is not None:
+                on_step(step, {"loss/pred": log.pred[-1], "loss/proprio": log.proprio[-1], "loss/sigreg": log.sigreg[-1],
+                               "loss/anchor": log.anchor[-1]})
+    finally:
+        for p, flag in zip(model.encoder.parameters(), on_entry):
+            p.requires_grad_(flag)
     return log
 
 

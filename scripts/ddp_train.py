@@ -7,7 +7,9 @@ params.yaml, as every training stage does. Reads the site's episodes and params 
 {"model", "optimizer"} file as tasks.train.site_train writes it) if given, then loads --global (the
 round's federated parameters) if given; trains with `lensemble.distributed.ddp_train_steps`, the
 anchor target being the public probe embedded by the encoder at the start (as the coordinator
-computes it from the global parameters); rank 0 writes the new state to --out in site_train's
+computes it from the global parameters) and the steps counted as round --round of the federation
+(steps r·H .. of federate.rounds x inner_steps: the scheduled learning rate and train.freeze_encoder_at as
+site_train applies them; a round that would run past the federation is refused with one line); rank 0 writes the new state to --out in site_train's
 format, atomically, and prints one JSON line of losses and timings. --strategy fsdp shards with
 FSDP2 instead of replicating (for configs whose model + AdamW moments do not fit one device).
 """
@@ -26,7 +28,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file by torchrun, from any cwd
 
 from lensemble.config import load_params  # noqa: E402
-from lensemble.errors import LensembleError  # noqa: E402
+from lensemble.errors import ConfigError, LensembleError  # noqa: E402
 from lensemble.observability.hardware import hardware_class  # noqa: E402
 from tasks.preflight import preflight  # noqa: E402
 from lensemble.distributed import ddp_train_steps, full_state, load_optimizer_state, shard_fsdp  # noqa: E402
@@ -59,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         layout = Layout(args.root)
         # the pre-flight every training launch passes: BudgetExceeded before any process group or step
         preflight.fn(params, layout, "federate", hardware_class(params.run.hardware_class))
+        steps, H = args.steps if args.steps is not None else params.federate.inner_steps, params.federate.inner_steps
+        if args.round_idx * H + steps > params.federate.rounds * H:
+            raise ConfigError(f"--round {args.round_idx} with --steps {steps} runs past the federation's federate.rounds x inner_steps = "
+                              f"{params.federate.rounds * H} steps: lower --steps or --round")
     except LensembleError as exc:
         print(f"ddp_train: error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -82,10 +88,10 @@ def main(argv: list[str] | None = None) -> int:
             probe = probe_frames(layout, params)
             global_probe = encode_frames(model, probe)
         sampler = sampler_for(load_site(layout, params, args.site), params)
-        steps = args.steps if args.steps is not None else params.federate.inner_steps
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()  # round r's steps are steps r·H .. of the federation's rounds·H, as site_train counts them
         log = ddp_train_steps(model, opt, [(site_embodiment(params, args.site), sampler)], steps, train=params.train, objective=params.objective,
-                              run_seed=params.run.seed, round_idx=args.round_idx, data_key=args.site, probe_PCHW=probe, global_probe_PND=global_probe)
+                              run_seed=params.run.seed, round_idx=args.round_idx, data_key=args.site, probe_PCHW=probe, global_probe_PND=global_probe,
+                              schedule=(args.round_idx * H, params.federate.rounds * H))
         seconds = time.perf_counter() - t0
         state = full_state(model, opt)
         if rank == 0:

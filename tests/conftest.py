@@ -41,6 +41,21 @@ def micro_params() -> dict:
     return raw
 
 
+def pooled_samplers(p) -> list:
+    """(embodiment, WindowSampler) of every site of params `p`, episodes generated in memory (pooled training's input)."""
+    from lensemble.data.episodes import generate_episodes
+    from lensemble.sim.registry import make_embodiment
+    from lensemble.workflow import sampler_for
+
+    samplers = []
+    for s in p.data.sites:
+        env = make_embodiment(s.embodiment, p.data.image_size)
+        eps = generate_episodes(env, p.run.seed, s.name, s.episodes, p.data.episode_length, p.data.expert_noise, p.data.random_fraction,
+                                p.data.segment_length)
+        samplers.append((s.embodiment, sampler_for(eps, p)))
+    return samplers
+
+
 def make_project(root: Path, params: dict) -> Path:
     """A project root with params.yaml, budgets.yaml and pricing.yaml."""
     root.mkdir(parents=True, exist_ok=True)

@@ -15,13 +15,11 @@ import torch.distributed as dist
 
 import lensemble.training as training
 from lensemble.config import parse_params
-from lensemble.data.episodes import generate_episodes
 from lensemble.federation.outer import state_hash
 from lensemble.objectives.losses import copy_error, world_model_loss
-from lensemble.sim.registry import make_embodiment
 from lensemble.training import PredBalance, make_optimizer, train_steps
-from lensemble.workflow import build_model, sampler_for
-from tests.conftest import micro_params
+from lensemble.workflow import build_model
+from tests.conftest import micro_params, pooled_samplers
 
 
 def test_weights_are_the_inverse_copy_errors_averaging_one():
@@ -82,12 +80,7 @@ def _pooled(raw: dict, steps: int, monkeypatch=None, record: list | None = None)
     p = parse_params(raw)
     torch.manual_seed(0)
     model = build_model(p, "centralized")
-    samplers = []
-    for s in p.data.sites:
-        env = make_embodiment(s.embodiment, p.data.image_size)
-        eps = generate_episodes(env, p.run.seed, s.name, s.episodes, p.data.episode_length, p.data.expert_noise, p.data.random_fraction,
-                                p.data.segment_length)
-        samplers.append((s.embodiment, sampler_for(eps, p)))
+    samplers = pooled_samplers(p)
     if record is not None:
         real = training.world_model_loss
 
