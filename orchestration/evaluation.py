@@ -75,11 +75,8 @@ def evaluate_models(params: Params, layout: Layout, site: str, names: tuple[str,
     c = params.evaluate.cem
     diagnostics = {name: dynamics_report(m, train_eps, held_out, c.context, c.horizon, params.model.proprio_dim, params.run.seed)
                    for name, m in models.items() if isinstance(m, WorldModel)}
-    env = make_embodiment(embodiment, params.data.image_size)
-    env.set_success_criterion(params.evaluate.success.get(embodiment, env.criterion))
-    cfg = CEMConfig(c.samples, c.elites, c.iterations, c.horizon)
+    env = planning_env(params, embodiment)
     energy = planning_energy(env, params.evaluate.energy)
-    seeds = eval_seeds(params, embodiment)
     out = {}
     try:
         probe_frames, probe_targets = world_probe_set(env, params.run.seed)  # the same states for every model
@@ -89,16 +86,33 @@ def evaluate_models(params: Params, layout: Layout, site: str, names: tuple[str,
             if pushes is not None:
                 d.update(push_capture(models[name], pushes, params.model.proprio_dim))
         for i, (name, model) in enumerate(models.items(), start=1):
-            gen = generator(params.run.seed, f"cem/{name}", participant=site)
             t0 = time.monotonic()
-            out[name] = evaluate(env, seeds, params.evaluate.max_steps, model, cfg, gen, c.execute_steps, c.context,
-                                 params.model.proprio_dim, energy)
+            out[name] = closed_loop(params, env, site, name, model)
             log.info(f"evaluate {site}: agent {i}/{len(models)} {name}, success {out[name]['success_rate']:.2f} over "
-                     f"{len(seeds)} episodes, {time.monotonic() - t0:.1f} s")
+                     f"{int(out[name]['episodes'])} episodes, {time.monotonic() - t0:.1f} s")
     finally:
         env.close()
     return {"embodiment": embodiment, "success_criterion": f"{env.criterion}: {env.success_criteria[env.criterion]}",
             "max_steps": params.evaluate.max_steps, "energy": energy, "diagnostics": diagnostics, **out}
+
+
+def planning_env(params: Params, embodiment: str):
+    """The embodiment's simulator as the planner meets it: at the run's image size, judged by its configured success criterion."""
+    env = make_embodiment(embodiment, params.data.image_size)
+    env.set_success_criterion(params.evaluate.success.get(embodiment, env.criterion))
+    return env
+
+
+def closed_loop(params: Params, env, site: str, name: str, model, cem_seed_offset: int = 0, execute_steps: int | None = None) -> dict:
+    """One agent's closed loop on `site`'s evaluation episodes: `evaluation.evaluate` with the run's CEM settings and the
+    agent's own CEM draws (offset 0: the evaluate stage's; `benchmarks/plan_seeds.py` reads others), every
+    `execute_steps` planned actions executed before replanning (default `evaluate.cem.execute_steps`)."""
+    c = params.evaluate.cem
+    gen = generator(params.run.seed + cem_seed_offset, f"cem/{name}", participant=site)
+    return evaluate(env, eval_seeds(params, site_embodiment(params, site)), params.evaluate.max_steps, model,
+                    CEMConfig(c.samples, c.elites, c.iterations, c.horizon), gen,
+                    c.execute_steps if execute_steps is None else execute_steps, c.context, params.model.proprio_dim,
+                    planning_energy(env, params.evaluate.energy))
 
 
 def evaluated_models(params: Params) -> tuple[str, ...]:

@@ -70,6 +70,25 @@ def _probe_rows_name_their_episodes(project):
         first += E
 
 
+def _planning_over_seeds_reproduces_the_stage(project, ev):
+    """benchmarks/plan_seeds.py at CEM seed offset 0 is the evaluate stage's own draw (the same rates, from another
+    process); a second offset is a second draw over the same episodes, counted beside the first."""
+    from benchmarks.plan_seeds import plan_over_seeds
+    from lensemble.config import load_params
+    from lensemble.paths import Layout
+
+    p = load_params(project / "params.yaml")
+    res = plan_over_seeds(p, Layout(project), "site_a", ["federated", "oracle"], [0, 1])
+    for name in ("federated", "oracle"):
+        stage = ev["sites"]["site_a"][name]
+        assert res[name]["rates"][0] == stage["success_rate"], name
+        assert len(res[name]["rates"]) == 2 and res[name]["episodes"] == 2 * stage["episodes"]
+        assert res[name]["mean"] == pytest.approx(sum(res[name]["rates"]) / 2)
+        assert res[name]["ci_low"] <= res[name]["mean"] <= res[name]["ci_high"]
+    with pytest.raises(ConfigError, match="unknown model 'pooled'"):
+        plan_over_seeds(p, Layout(project), "site_a", ["pooled"], [0])
+
+
 def test_pipeline_end_to_end(prefect_server, project):
     from flows.pipeline import pipeline_flow
 
@@ -91,6 +110,7 @@ def test_pipeline_end_to_end(prefect_server, project):
     assert fed["bytes_per_param"] < 2.6  # 2 bytes/param + headers, keys and signatures on a tiny model
     ev = json.loads((reports / "eval.json").read_text())
     assert set(ev["sites"]["site_a"]) >= {"centralized", "federated", "local_only", "oracle", "random", "diagnostics"}
+    _planning_over_seeds_reproduces_the_stage(project, ev)
     for emb in ("grid_point", "grid_thruster"):  # every table reads each model against the oracle and the floor
         assert {"centralized", "federated", "local_only", "oracle", "random", "of_oracle", "success_criterion"} <= set(ev["embodiments"][emb])
     diag = ev["sites"]["site_a"]["diagnostics"]["federated"]
