@@ -27,7 +27,7 @@ from lensemble.errors import ConfigError, LensembleError  # noqa: E402
 from lensemble.paths import Layout  # noqa: E402
 from lensemble.stats import wilson_interval  # noqa: E402
 from lensemble.workflow import site_embodiment, site_names  # noqa: E402
-from orchestration.evaluation import MODEL_LOADERS, closed_loop, planning_env  # noqa: E402
+from orchestration.evaluation import MODEL_LOADERS, cem_generator, closed_loop, planning_env  # noqa: E402
 from orchestration.workers import thread_split  # noqa: E402
 
 
@@ -47,11 +47,12 @@ def plan_over_seeds(params: Params, layout: Layout, site: str, models: list[str]
         raise ConfigError(f"--execute-steps must be 1..evaluate.cem.horizon ({params.evaluate.cem.horizon}), got {execute_steps}")
     loaded = {m: MODEL_LOADERS[m](params, layout, site) for m in models}  # DataError before any episode
     torch.set_num_threads(thread_split(params.run.torch_threads, params.run.workers)[1])  # a site worker's threads, as evaluate plans
-    env = planning_env(params, site_embodiment(params, site))
+    embodiment = site_embodiment(params, site)
+    env = planning_env(params, embodiment)
     out = {}
     try:
         for name, model in loaded.items():
-            runs = [closed_loop(params, env, site, name, model, k, execute_steps) for k in offsets]
+            runs = [closed_loop(params, env, embodiment, model, cem_generator(params, name, site, k), execute_steps) for k in offsets]
             wins = sum(round(r["success_rate"] * r["episodes"]) for r in runs)
             n = int(sum(r["episodes"] for r in runs))
             low, high = wilson_interval(wins, n)

@@ -87,7 +87,7 @@ def evaluate_models(params: Params, layout: Layout, site: str, names: tuple[str,
                 d.update(push_capture(models[name], pushes, params.model.proprio_dim))
         for i, (name, model) in enumerate(models.items(), start=1):
             t0 = time.monotonic()
-            out[name] = closed_loop(params, env, site, name, model)
+            out[name] = closed_loop(params, env, embodiment, model, cem_generator(params, name, site))
             log.info(f"evaluate {site}: agent {i}/{len(models)} {name}, success {out[name]['success_rate']:.2f} over "
                      f"{int(out[name]['episodes'])} episodes, {time.monotonic() - t0:.1f} s")
     finally:
@@ -103,16 +103,19 @@ def planning_env(params: Params, embodiment: str):
     return env
 
 
-def closed_loop(params: Params, env, site: str, name: str, model, cem_seed_offset: int = 0, execute_steps: int | None = None) -> dict:
-    """One agent's closed loop on `site`'s evaluation episodes: `evaluation.evaluate` with the run's CEM settings and the
-    agent's own CEM draws (offset 0: the evaluate stage's; `benchmarks/plan_seeds.py` reads others), every
-    `execute_steps` planned actions executed before replanning (default `evaluate.cem.execute_steps`)."""
+def closed_loop(params: Params, env, embodiment: str, model, gen: torch.Generator, execute_steps: int | None = None) -> dict:
+    """One agent's closed loop on the embodiment's evaluation episodes: `evaluation.evaluate` with the run's CEM settings
+    and the agent's CEM draws `gen`, every `execute_steps` planned actions executed before replanning (default
+    `evaluate.cem.execute_steps`). The evaluate stage, `lensemble join` and `benchmarks/plan_seeds.py` plan through it."""
     c = params.evaluate.cem
-    gen = generator(params.run.seed + cem_seed_offset, f"cem/{name}", participant=site)
-    return evaluate(env, eval_seeds(params, site_embodiment(params, site)), params.evaluate.max_steps, model,
-                    CEMConfig(c.samples, c.elites, c.iterations, c.horizon), gen,
-                    c.execute_steps if execute_steps is None else execute_steps, c.context, params.model.proprio_dim,
+    return evaluate(env, eval_seeds(params, embodiment), params.evaluate.max_steps, model, CEMConfig(c.samples, c.elites, c.iterations, c.horizon),
+                    gen, c.execute_steps if execute_steps is None else execute_steps, c.context, params.model.proprio_dim,
                     planning_energy(env, params.evaluate.energy))
+
+
+def cem_generator(params: Params, name: str, site: str, cem_seed_offset: int = 0) -> torch.Generator:
+    """Agent `name`'s CEM draws at `site`; offset 0 is the evaluate stage's own."""
+    return generator(params.run.seed + cem_seed_offset, f"cem/{name}", participant=site)
 
 
 def evaluated_models(params: Params) -> tuple[str, ...]:

@@ -30,14 +30,13 @@ from lensemble.data.audit import load_index
 from lensemble.data.episodes import read_episodes
 from lensemble.data.residency import ResidencyGuard
 from lensemble.errors import ConfigError, DataError
-from lensemble.evaluation import ORACLE, evaluate, planning_energy
+from lensemble.evaluation import ORACLE
 from lensemble.model.world_model import WorldModel, load_federated
 from lensemble.paths import Layout
-from lensemble.planning.cem import CEMConfig
 from lensemble.seeds import generator
-from lensemble.sim.registry import make_embodiment
 from lensemble.training import make_optimizer, train_steps
 from lensemble.workflow import build_model, eval_seeds, place, sampler_for
+from orchestration.evaluation import closed_loop, planning_env
 
 AGENTS = ("joined", "scratch", "oracle", "random")
 TRAINED = ("joined", "scratch")
@@ -94,18 +93,14 @@ def run_join(params: Params, layout: Layout, name: str) -> dict:
     scratch = place(build_model(params, f"eval/join/scratch/{site.embodiment}", extra_embodiments=(site.embodiment,)), params)
     training = {"joined": train(joined, params, site.embodiment, eps, params.join.steps, f"eval/join/{name}/joined"),
                 "scratch": train(scratch, params, site.embodiment, eps, params.join.steps, f"eval/join/{name}/scratch")}
-    env = make_embodiment(site.embodiment, params.data.image_size)
-    env.set_success_criterion(params.evaluate.success.get(site.embodiment, env.criterion))
-    c = params.evaluate.cem
-    cfg = CEMConfig(c.samples, c.elites, c.iterations, c.horizon)
+    env = planning_env(params, site.embodiment)
     seeds = eval_seeds(params, site.embodiment)
     agents = {"joined": joined.eval(), "scratch": scratch.eval(), "oracle": ORACLE, "random": None}
     success = {}
     try:
         for agent_name, agent in agents.items():
             gen = generator(params.run.seed, f"cem/join/{agent_name}", participant=name)
-            success[agent_name] = evaluate(env, seeds, params.evaluate.max_steps, agent, cfg, gen, c.execute_steps, c.context,
-                                           params.model.proprio_dim, planning_energy(env, params.evaluate.energy))
+            success[agent_name] = closed_loop(params, env, site.embodiment, agent, gen)
     finally:
         env.close()
     wins = {a: round(success[a]["success_rate"] * len(seeds)) for a in AGENTS}
