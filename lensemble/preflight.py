@@ -44,9 +44,10 @@ def training_steps(params: Params, stage: str) -> int:
     raise ValueError(f"stage {stage!r} does not train")
 
 
-def estimate(params: Params, stage: str, *, flops_per_step: float, memory_bytes: float, update_bytes: int,
+def estimate(params: Params, stage: str, *, flops_per_step: float, memory_bytes: float, update_bytes: float,
              hw_class: str, pricing: dict[str, dict[str, float]]) -> dict[str, float]:
-    """Totals for one stage's run on `hw_class`; ConfigError if the class has no price."""
+    """Totals for one stage's run on `hw_class`; ConfigError if the class has no price. `update_bytes`: one site's
+    bytes on the wire in a round, averaged over the rounds (a round with a frozen encoder sends less)."""
     if hw_class not in pricing:
         raise ConfigError(f"pricing.yaml has no entry for hardware class {hw_class!r}; add it to estimate cost")
     steps = training_steps(params, stage)

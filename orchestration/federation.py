@@ -33,6 +33,7 @@ from lensemble.federation.checkpoint import (
 from lensemble.federation.dp import round_privacy, run_privacy
 from lensemble.federation.outer import state_hash
 from lensemble.federation.rounds import RoundResult, run_round
+from lensemble.federation.schedule import round_frozen_prefix
 from lensemble.federation.transport import param_spec, spec_numel
 from lensemble.federation.transports import aggregator_codec
 from lensemble.gauge import pool_tokens
@@ -156,7 +157,7 @@ def federation_round(fed: Federation, r: int, state: FederationState, outer) -> 
     if train_failed and p.federate.drop_policy == "abort":
         raise ParticipantDropped(f"round {r}: sites failed {train_failed}; federate.drop_policy is abort")
     res = run_round(fed.run_id, r, sorted(trained), fed.spec, fed.pool, fed.aggregator, state.global_state, state.momentum,
-                    outer, p.federate.drop_policy)
+                    outer, p.federate.drop_policy, round_frozen_prefix(p, fed.spec, r))
     exchange_work = fed.pool.work_seconds
     fed.pool.close(r, fed.sites)
     t_gauge = time.perf_counter()

@@ -44,6 +44,7 @@ from lensemble.federation.exchange import (
 )
 from lensemble.federation.dp import private_codec
 from lensemble.federation.rounds import SiteCodec, SiteEndpoint
+from lensemble.federation.schedule import round_frozen_prefix
 from lensemble.federation.signing import key_fingerprint
 from lensemble.federation.transport import RoundContext, param_spec
 from lensemble.federation.transports import site_codec
@@ -200,7 +201,7 @@ def site_round(root: str, site: str, run_id: str, round_idx: int) -> dict:
         invited = tuple(json.loads(blob)["sites"])
         if site not in invited:
             break  # dropped by the coordinator for this round
-        ctx = RoundContext(run_id, round_idx, invited, spec)
+        ctx = RoundContext(run_id, round_idx, invited, spec, frozen=round_frozen_prefix(p, spec, round_idx))
         register_peers(ex, codec, site, invited, site_pins(p))
         nxt = f"{attempt_prefix(run_id, round_idx, attempt + 1)}/open.json"
         if ex.exists(f"{a}/{site}.key"):  # an earlier run of this site answered this attempt; its X25519 key is lost

@@ -41,7 +41,7 @@ from collections.abc import Mapping
 import torch
 
 from lensemble.errors import ConfigError
-from lensemble.federation.transport import RoundContext
+from lensemble.federation.transport import RoundContext, frozen_tensors
 from lensemble.seeds import derive_seed
 
 NOISE_PURPOSE = "dp/noise"
@@ -87,8 +87,10 @@ def privatize(
     """
     clipped, norm = clip_l2(delta, clip_norm)
     std = site_noise_std(ctx, site, noise_multiplier, clip_norm)
+    frozen = set(frozen_tensors(ctx))  # they do not learn this round: exactly 0, off the wire, no noise to add
     noisy = {
-        name: clipped[name] + std * torch.randn(clipped[name].shape, generator=generator, dtype=clipped[name].dtype)
+        name: clipped[name] if name in frozen
+        else clipped[name] + std * torch.randn(clipped[name].shape, generator=generator, dtype=clipped[name].dtype)
         for name in sorted(clipped)
     }
     metrics = {"dp/update_norm": norm, "dp/clipped": float(norm > clip_norm), "dp/noise_std": std}

@@ -81,16 +81,28 @@ def outer_step_chunk(
     """Δ̄ on one slice into `scratch_n`, then the outer step on that slice into new_p_n, new_m_n.
 
     One evaluation of the eager path; `apply_outer_step` runs it twice per chunk (its self-check),
-    and the wire benchmark (`benchmarks/wire.py`) times it alone.
+    and the wire benchmark (`benchmarks/wire.py`) times it alone. `start` is an offset into the wire's vector.
     """
-    q_n, new_m = scratch_n.numpy(), new_m_n.numpy()
-    transport.mean_into(ctx, accepted, start, q_n)
+    transport.mean_into(ctx, accepted, start, scratch_n.numpy())
+    step_from_mean(scratch_n, p_n, m_n, new_p_n, new_m_n, lr, momentum)
+
+
+def step_from_mean(q_n: torch.Tensor, p_n: torch.Tensor, m_n: torch.Tensor | None, new_p_n: torch.Tensor, new_m_n: torch.Tensor,
+                   lr: float, momentum: float) -> None:
+    """The outer step on one slice given Δ̄ there in `q_n` (which it overwrites): the ops of the module docstring."""
+    scratch_n, q_n, new_m = q_n, q_n.numpy(), new_m_n.numpy()
     if m_n is None:
         np.negative(q_n, out=new_m)
     else:  # two roundings, as torch's mul_ then add_: NumPy's ufuncs have less call overhead
         np.subtract(np.multiply(m_n.numpy(), np.float32(momentum), out=new_m), q_n, out=new_m)
     torch.sub(scratch_n, new_m_n, alpha=momentum, out=scratch_n)
     torch.add(p_n, scratch_n, alpha=lr, out=new_p_n)
+
+
+def _chunk_ranges(numel: int, chunk: int, split: int) -> list[tuple[int, int]]:
+    """[a, b) slices of a tensor of `numel` elements, at most `chunk` long, none straddling `split`."""
+    cuts = sorted({*range(0, numel, chunk), *([split] if 0 < split < numel else []), numel})
+    return list(zip(cuts[:-1], cuts[1:]))
 
 
 def _same_bits(a_n: torch.Tensor, b_n: torch.Tensor) -> bool:
@@ -123,6 +135,9 @@ def apply_outer_step(
     new_params, new_buf = out
     scratch = [torch.empty(chunk, dtype=torch.float32) for _ in range(3)]  # Δ̄, and the re-evaluation's buf, p
     kernel = transport.fused_kernel(ctx, accepted, lr, momentum)
+    # the round's frozen prefix takes Δ̄ = 0 whatever the wire says: its whole blocks are not on it, and any codes a
+    # site put on the few frozen elements of the block it shares with the first learning tensor are ignored
+    wire_start = transport.wire_start(ctx)
     offset = 0
     for name, shape in ctx.spec:
         p_N = params[name]
@@ -133,16 +148,21 @@ def apply_outer_step(
                 raise ValueError(f"outer step: the output for {name} aliases an input; inputs must stay untouched")
         p_N, new_p_N, new_m_N = p_N.view(-1), new_params[name].view(-1), new_buf[name].view(-1)
         m_N = None if momentum_buf is None else momentum_buf[name].contiguous().view(-1)
-        for a in range(0, p_N.numel(), chunk):
-            b = min(a + chunk, p_N.numel())
+        for a, b in _chunk_ranges(p_N.numel(), chunk, ctx.frozen - offset):
             m_n = None if m_N is None else m_N[a:b]
-            if kernel is not None:  # evaluates every tile twice itself
-                bad = kernel(offset + a, p_N[a:b], m_n, new_p_N[a:b], new_m_N[a:b])
+            q_n, check_m_n, check_p_n = (t[: b - a] for t in scratch)
+            if offset + a < ctx.frozen:  # a frozen slice: the step with Δ̄ = 0, the eager ops' bits (which the kernel shares)
+                for new_p_n, new_m_n in ((new_p_N[a:b], new_m_N[a:b]), (check_p_n, check_m_n)):
+                    step_from_mean(q_n.zero_(), p_N[a:b], m_n, new_p_n, new_m_n, lr, momentum)
+                consistent = _same_bits(new_p_N[a:b], check_p_n) and _same_bits(new_m_N[a:b], check_m_n)
+                where = f"{name}[{a}:{b}]"
+            elif kernel is not None:  # evaluates every tile twice itself
+                bad = kernel(offset + a - wire_start, p_N[a:b], m_n, new_p_N[a:b], new_m_N[a:b])
                 consistent, where = bad < 0, f"{name}[{a + bad}:{min(b, a + bad + native.TILE)}]"
             else:
-                q_n, check_m_n, check_p_n = (t[: b - a] for t in scratch)
-                outer_step_chunk(transport, ctx, accepted, offset + a, p_N[a:b], m_n, q_n, new_p_N[a:b], new_m_N[a:b], lr, momentum)
-                outer_step_chunk(transport, ctx, accepted, offset + a, p_N[a:b], m_n, q_n, check_p_n, check_m_n, lr, momentum)
+                start = offset + a - wire_start
+                outer_step_chunk(transport, ctx, accepted, start, p_N[a:b], m_n, q_n, new_p_N[a:b], new_m_N[a:b], lr, momentum)
+                outer_step_chunk(transport, ctx, accepted, start, p_N[a:b], m_n, q_n, check_p_n, check_m_n, lr, momentum)
                 consistent = _same_bits(new_p_N[a:b], check_p_n) and _same_bits(new_m_N[a:b], check_m_n)
                 where = f"{name}[{a}:{b}]"
             if not consistent:

@@ -73,6 +73,7 @@ class AggregatorCodec(Protocol):
     def verify(self, ctx: RoundContext, payloads: Mapping[str, bytes]) -> Accepted: ...
     def mean_into(self, ctx: RoundContext, accepted: Accepted, start: int, out_n: np.ndarray) -> None: ...
     def fused_kernel(self, ctx: RoundContext, accepted: Accepted, lr: float, momentum: float) -> FusedKernel | None: ...
+    def wire_start(self, ctx: RoundContext) -> int: ...
     def capped_blocks(self, ctx: RoundContext) -> Mapping[str, int]: ...
 
 
@@ -168,8 +169,10 @@ def _attempt(ctx: RoundContext, sites: SitePool, aggregator: AggregatorCodec, pa
 
 
 def run_round(run_id: str, round_idx: int, survivors: Sequence[str], spec: ParamSpec, sites: SitePool, aggregator: AggregatorCodec,
-              params: State, momentum: State | None, outer: OuterStep, drop_policy: str = "continue") -> RoundResult:
+              params: State, momentum: State | None, outer: OuterStep, drop_policy: str = "continue", frozen: int = 0) -> RoundResult:
     """The exchange and the outer step of one round, redone with the survivors until an attempt holds.
+
+    `frozen`: the round's frozen prefix (`RoundContext.frozen`, `schedule.round_frozen_prefix`).
 
     ParticipantDropped when every site dropped, or at the first failure under `drop_policy="abort"`;
     IntegrityError after MAX_ABORTS + 1 aborted attempts (the first under `"abort"`); an IntegrityError
@@ -181,7 +184,7 @@ def run_round(run_id: str, round_idx: int, survivors: Sequence[str], spec: Param
     while True:
         if not survivors:
             raise ParticipantDropped(f"round {round_idx}: every site dropped: {dropped}")
-        ctx = RoundContext(run_id, round_idx, tuple(survivors), spec)
+        ctx = RoundContext(run_id, round_idx, tuple(survivors), spec, frozen=frozen)
         try:
             result, failed = _attempt(ctx, sites, aggregator, params, momentum, outer)
         except AttemptAborted as exc:

@@ -1,6 +1,7 @@
 """Signed int8 transports: "int8" (quantize + sign) and "secure_int8" (+ pairwise masking).
 
-Wire formats, per site per round (N federated parameters, nb = ceil(N / block) blocks,
+Wire formats, per site per round (N federated parameters on the wire: all of them, less the whole blocks
+of a round's frozen prefix, `Transport.wire_start`; nb = ceil(N / block) blocks,
 H(...) = len(pack_header(...)), the canonical-JSON header with its u32 length prefix):
 
     int8         payload      H(run, round, site, spec, transport, block, nonce)
@@ -87,26 +88,26 @@ _log = logging.getLogger("lensemble.federation")
 _HEX = 32  # length of every hex nonce / session / grid id in a header
 
 
-def _base_header(run_id: str, round_idx: int, site: str, spec: ParamSpec) -> dict:
-    return {"run": run_id, "round": round_idx, "site": site, "spec": spec_hash(spec)}
+def _base_header(run_id: str, round_idx: int, site: str, spec: ParamSpec, frozen: int = 0) -> dict:
+    return {"run": run_id, "round": round_idx, "site": site, "spec": spec_hash(spec, frozen)}
 
 
-def int8_header(run_id: str, round_idx: int, site: str, spec: ParamSpec, block: int, nonce: str) -> dict:
+def int8_header(run_id: str, round_idx: int, site: str, spec: ParamSpec, block: int, nonce: str, frozen: int = 0) -> dict:
     """Header of an int8 update; the random nonce makes every encoding unique (see ReplayGuard)."""
-    return {**_base_header(run_id, round_idx, site, spec), "transport": "int8", "block": block, "nonce": nonce}
+    return {**_base_header(run_id, round_idx, site, spec, frozen), "transport": "int8", "block": block, "nonce": nonce}
 
 
-def announce_header(run_id: str, round_idx: int, site: str, spec: ParamSpec, session: str) -> dict:
+def announce_header(run_id: str, round_idx: int, site: str, spec: ParamSpec, session: str, frozen: int = 0) -> dict:
     """Header of a secure_int8 announcement."""
-    return {**_base_header(run_id, round_idx, site, spec), "kind": "announce", "session": session}
+    return {**_base_header(run_id, round_idx, site, spec, frozen), "kind": "announce", "session": session}
 
 
 def secure_header(
-    run_id: str, round_idx: int, site: str, spec: ParamSpec, block: int, ring_bits: int, session: str, grid: str
+    run_id: str, round_idx: int, site: str, spec: ParamSpec, block: int, ring_bits: int, session: str, grid: str, frozen: int = 0
 ) -> dict:
     """Header of a secure_int8 update, bound to the round attempt's keys (session) and grid."""
     return {
-        **_base_header(run_id, round_idx, site, spec), "transport": "secure_int8", "block": block,
+        **_base_header(run_id, round_idx, site, spec, frozen), "transport": "secure_int8", "block": block,
         "ring_bits": ring_bits, "session": session, "grid": grid,
     }
 
@@ -118,13 +119,16 @@ def key_message(run_id: str, round_idx: int, site: str, x25519_public: bytes) ->
 
 def expected_comm_bytes(
     transport_name: str, spec: ParamSpec, num_sites: int, *, run_id: str, round_idx: int, site: str,
-    block: int = DEFAULT_BLOCK, ring_bits: int = 16,
+    block: int = DEFAULT_BLOCK, ring_bits: int = 16, frozen: int = 0,
 ) -> dict[str, int]:
     """Bytes one site puts on the wire in one round, by part, and their "total" (module docstring).
 
-    Header lengths depend on the run id, round and site name, hence those keyword arguments.
+    Header lengths depend on the run id, round and site name, hence those keyword arguments. `frozen`:
+    the round's frozen prefix (`RoundContext.frozen`), which stays off the wire in whole blocks.
     """
-    n, nb, z = spec_numel(spec), num_blocks(spec_numel(spec), block), "0" * _HEX
+    wire_start = frozen if transport_name == "fp32" else frozen // block * block
+    n, z = spec_numel(spec) - wire_start, "0" * _HEX
+    nb = num_blocks(n, block)
     parts = dict.fromkeys(("key_material", "announcement", "header", "scales", "body", "signature"), 0)
     if transport_name == "fp32":
         parts.update(header=len(pack_header(_base_header(run_id, round_idx, site, spec))), body=4 * n)
@@ -145,10 +149,10 @@ def expected_comm_bytes(
     return parts
 
 
-def _site_vector(ctx: RoundContext, site: str, delta: Mapping[str, torch.Tensor], weighted: bool) -> torch.Tensor:
-    """Δ_c (or w_c Δ_c) as one fp32 vector [N], after the spec/NaN checks and the quantizer's domain check."""
+def _site_vector(ctx: RoundContext, site: str, delta: Mapping[str, torch.Tensor], weighted: bool, start: int) -> torch.Tensor:
+    """Δ_c (or w_c Δ_c) from `start` on as one fp32 vector, after the spec/NaN/frozen checks and the quantizer's domain check."""
     check_delta(ctx, site, delta)
-    x_N = flatten(ctx.spec, delta)
+    x_N = flatten(ctx.spec, delta)[start:]
     if weighted:
         x_N = x_N * torch.tensor(ctx.weight(site), dtype=torch.float32)
     if x_N.numel() and float(x_N.abs().max()) > MAX_ABS:
@@ -160,7 +164,7 @@ def _raise_bad_update(
     ctx: RoundContext, site: str, delta: Mapping[str, torch.Tensor], announced_B: torch.Tensor | None, block: int
 ) -> NoReturn:
     """Name what a one-pass check (`site_pass`) refused, with the reference checks and their errors."""
-    x_N = _site_vector(ctx, site, delta, weighted=True)  # IntegrityError: NaN, Inf or above MAX_ABS
+    x_N = _site_vector(ctx, site, delta, True, ctx.frozen // block * block)  # IntegrityError: NaN, Inf, above MAX_ABS, frozen moved
     if announced_B is not None and bool((block_absmax(x_N, block) > announced_B).any()):
         raise ValueError(f"secure_int8: the update of {site!r} changed between announce and encode")
     raise AssertionError(f"the one-pass check refused the update of {site!r} but the reference checks pass it")
@@ -233,6 +237,10 @@ class _SignedTransport(Transport):
                     self._site_keys[site] = key
         return super().begin_round(ctx)
 
+    def wire_start(self, ctx: RoundContext) -> int:
+        """The frozen prefix rounded down to whole blocks: every block on the wire is the block it is without one."""
+        return ctx.frozen // self.block * self.block
+
     def _signing_key(self, site: str) -> Ed25519PrivateKey:
         if site not in self._site_keys:
             raise ConfigError(f"no Ed25519 signing key for site {site!r}; pass it in site_keys"
@@ -246,17 +254,17 @@ class Int8Transport(_SignedTransport):
     name = "int8"
 
     def encode(self, ctx: RoundContext, site: str, delta: Mapping[str, torch.Tensor]) -> bytes:
-        q_N, scales_B = quantize_int8(_site_vector(ctx, site, delta, weighted=False), self.block)
-        header = int8_header(ctx.run_id, ctx.round_idx, site, ctx.spec, self.block, os.urandom(_HEX // 2).hex())
+        q_N, scales_B = quantize_int8(_site_vector(ctx, site, delta, False, self.wire_start(ctx)), self.block)
+        header = int8_header(ctx.run_id, ctx.round_idx, site, ctx.spec, self.block, os.urandom(_HEX // 2).hex(), ctx.frozen)
         body = scales_B.numpy().astype("<f4").tobytes() + q_N.numpy().tobytes()
         return sign(self._signing_key(site), pack_header(header) + body)
 
     def verify(self, ctx: RoundContext, payloads: Mapping[str, bytes]) -> Accepted:
-        n = spec_numel(ctx.spec)
+        n = self.wire_numel(ctx)
         nb = num_blocks(n, self.block)
 
         def expected_header(site: str, header: Mapping) -> dict:
-            return int8_header(ctx.run_id, ctx.round_idx, site, ctx.spec, self.block, _nonce_of(header))
+            return int8_header(ctx.run_id, ctx.round_idx, site, ctx.spec, self.block, _nonce_of(header), ctx.frozen)
 
         bodies = verify_updates(
             ctx, payloads, self._registry, expected_header, 4 * nb + n, self._guard,
@@ -379,22 +387,22 @@ class SecureInt8Transport(_SignedTransport):
         """The per-block absmax of w_c Δ_c, signed and bound to this attempt (one pass: `site_pass`)."""
         attempt = self._current(ctx, agreed=False)
         check_layout(ctx, site, delta)
-        absmax_B = weighted_absmax(flat_segments(ctx, delta), ctx.weight(site), self.block)
+        absmax_B = weighted_absmax(flat_segments(ctx, delta, self.wire_start(ctx)), ctx.weight(site), self.block)
         if absmax_B is None:
             _raise_bad_update(ctx, site, delta, None, self.block)
         attempt.announced[site] = absmax_B
-        header = announce_header(ctx.run_id, ctx.round_idx, site, ctx.spec, attempt.session)
+        header = announce_header(ctx.run_id, ctx.round_idx, site, ctx.spec, attempt.session, ctx.frozen)
         return sign(self._signing_key(site), pack_header(header) + absmax_B.numpy().astype("<f4").tobytes())
 
     def agree(self, ctx: RoundContext, announcements: Mapping[str, bytes]) -> None:
         """Fix the shared grid s_b = max_c min(a_{c,b}, f · a_(2),b) / 127 (module docstring; exact, order-free)."""
         attempt = self._current(ctx, agreed=False)
         check_roster(ctx, announcements)
-        nb = num_blocks(spec_numel(ctx.spec), self.block)
+        nb = num_blocks(self.wire_numel(ctx), self.block)
         absmax_CB = []
         for site in sorted(announcements):
             header, body = unpack_header(open_signed(announcements[site], site, self._registry)[0], site)
-            check_binding(header, announce_header(ctx.run_id, ctx.round_idx, site, ctx.spec, attempt.session), site)
+            check_binding(header, announce_header(ctx.run_id, ctx.round_idx, site, ctx.spec, attempt.session, ctx.frozen), site)
             if len(body) != 4 * nb:
                 raise IntegrityError(f"announcement from {site!r} has {len(body)} bytes, expected {4 * nb}", site=site)
             absmax_CB.append(_read_f32(body, site, "block absmax values"))
@@ -415,7 +423,7 @@ class SecureInt8Transport(_SignedTransport):
     def accept_grid(self, ctx: RoundContext, message: bytes) -> None:
         """Take the aggregator's agreed absmax; the grid id binds every update to it."""
         attempt = self._current(ctx, agreed=False)
-        nb = num_blocks(spec_numel(ctx.spec), self.block)
+        nb = num_blocks(self.wire_numel(ctx), self.block)
         if len(message) != 4 * nb:
             raise IntegrityError(f"grid message from the aggregator has {len(message)} bytes, expected {4 * nb}")
         attempt.absmax_B = _read_f32(memoryview(message), "aggregator", "agreed absmax values")
@@ -437,16 +445,16 @@ class SecureInt8Transport(_SignedTransport):
             raise ValueError(f"secure_int8: {site!r} holds no key share for round {ctx.round_idx} of this attempt")
         key = self._signing_key(site)
         header = pack_header(secure_header(
-            ctx.run_id, ctx.round_idx, site, ctx.spec, self.block, self.ring_bits, attempt.session, attempt.grid
+            ctx.run_id, ctx.round_idx, site, ctx.spec, self.block, self.ring_bits, attempt.session, attempt.grid, ctx.frozen
         ))
-        n, dtype = spec_numel(ctx.spec), secagg.ring_dtype(self.ring_bits)
+        n, dtype = self.wire_numel(ctx), secagg.ring_dtype(self.ring_bits)
         payload, buffer_u8 = new_payload(len(header) + dtype.itemsize * n + SIGNATURE_BYTES)
         buffer_u8[: len(header)] = np.frombuffer(header, dtype=np.uint8)
         streams = secagg.pair_streams(site, private, attempt.public, ctx.run_id, ctx.round_idx, attempt.session)
         announced_B = attempt.announced.get(site, attempt.absmax_B)
         body_N = buffer_u8[len(header) : len(header) + dtype.itemsize * n].view(dtype)
         sha = hashlib.sha256(header)
-        if not quantize_mask_into(flat_segments(ctx, delta), ctx.weight(site), attempt.scales_B, announced_B, streams,
+        if not quantize_mask_into(flat_segments(ctx, delta, self.wire_start(ctx)), ctx.weight(site), attempt.scales_B, announced_B, streams,
                                   self.ring_bits, self.block, body_N, sha.update):
             _raise_bad_update(ctx, site, delta, announced_B, self.block)
         buffer_u8[-SIGNATURE_BYTES:] = np.frombuffer(signature(key, sha.digest()), dtype=np.uint8)
@@ -459,18 +467,18 @@ class SecureInt8Transport(_SignedTransport):
 
         def expected_header(site: str, header: Mapping) -> dict:
             return secure_header(
-                ctx.run_id, ctx.round_idx, site, ctx.spec, self.block, self.ring_bits, attempt.session, attempt.grid
+                ctx.run_id, ctx.round_idx, site, ctx.spec, self.block, self.ring_bits, attempt.session, attempt.grid, ctx.frozen
             )
 
         bodies = verify_updates(
-            ctx, payloads, self._registry, expected_header, dtype.itemsize * spec_numel(ctx.spec), self._guard,
+            ctx, payloads, self._registry, expected_header, dtype.itemsize * self.wire_numel(ctx), self._guard,
             aggregation_context(ctx, f"secure_int8/{attempt.session}/{attempt.grid}"),
         )
         bad = self.sum_out_of_range(ctx, bodies)
         if bad:
             raise AttemptAborted(
                 f"round {ctx.round_idx}: the unmasked sum of {len(bodies)} updates lies outside ±127·{len(bodies)} at {bad}"
-                f" of {spec_numel(ctx.spec)} parameters; a contribution is corrupt (under masking no site can be named);"
+                f" of {self.wire_numel(ctx)} parameters on the wire; a contribution is corrupt (under masking no site can be named);"
                 " nothing applied", suspects=tuple(sorted(bodies)))
         return Accepted(bodies)
 
@@ -478,7 +486,7 @@ class SecureInt8Transport(_SignedTransport):
         """How many unmasked sums Σ_c q_c lie outside [-127 C, 127 C] (C = len(bodies)); slice by slice, in cache."""
         dtype = secagg.ring_dtype(self.ring_bits)
         vectors = [np.frombuffer(bodies[site], dtype=dtype) for site in sorted(bodies)]
-        n = spec_numel(ctx.spec)
+        n = self.wire_numel(ctx)
         if self._ring_scratch.shape[0] < min(n, RANGE_CHUNK) or self._ring_scratch.dtype != dtype:
             self._ring_scratch = np.empty(min(n, RANGE_CHUNK), dtype=dtype)
         bad = 0

@@ -94,7 +94,7 @@ def check_binding(header: Mapping, expected: Mapping, site: str) -> None:
 def aggregation_context(ctx: RoundContext, binding: str = "") -> str:
     """A digest of one aggregation: run, round, roster, weights, spec and a transport's own binding."""
     weights = sorted((site, float(w)) for site, w in ctx.weights.items())
-    raw = json.dumps([ctx.run_id, ctx.round_idx, list(ctx.site_ids), weights, spec_hash(ctx.spec), binding])
+    raw = json.dumps([ctx.run_id, ctx.round_idx, list(ctx.site_ids), weights, spec_hash(ctx.spec, ctx.frozen), binding])
     return hashlib.sha256(raw.encode()).hexdigest()
 
 

@@ -23,6 +23,7 @@ of the reference.
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -31,7 +32,7 @@ import torch
 from lensemble.errors import IntegrityError
 from lensemble.federation import native, secagg
 from lensemble.federation.quant import MAX_ABS, block_absmax, num_blocks, quantize_with_scales
-from lensemble.federation.transport import RoundContext
+from lensemble.federation.transport import RoundContext, check_frozen
 
 CHUNK = 1 << 15
 """Parameters per chunk (rounded to whole blocks): 64 KiB of each 16-bit keystream, 7 of them in L2."""
@@ -59,7 +60,8 @@ def new_payload(size: int) -> tuple[bytes, np.ndarray]:
 
 
 def check_layout(ctx: RoundContext, site: str, delta: Mapping[str, torch.Tensor]) -> None:
-    """Names and shapes of Δ_c against the round's spec (`transport.check_delta` without the value pass)."""
+    """Names and shapes of Δ_c against the round's spec, and zeros on its frozen prefix (`transport.check_delta`
+    without the value pass over what travels)."""
     if site not in ctx.site_ids:
         raise IntegrityError(f"site {site!r} is not in the federation {list(ctx.site_ids)}", site=site)
     names, expected = tuple(sorted(delta)), tuple(name for name, _ in ctx.spec)
@@ -70,11 +72,19 @@ def check_layout(ctx: RoundContext, site: str, delta: Mapping[str, torch.Tensor]
         if tuple(delta[name].shape) != shape:
             raise IntegrityError(f"update from {site!r}: {name} has shape {tuple(delta[name].shape)}, expected {shape}",
                                  site=site)
+    check_frozen(ctx, site, delta)
 
 
-def flat_segments(ctx: RoundContext, delta: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-    """Each tensor of Δ_c as a flat contiguous fp32 CPU tensor, in spec order (a view when it already is one)."""
-    return [delta[name].detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous() for name, _ in ctx.spec]
+def flat_segments(ctx: RoundContext, delta: Mapping[str, torch.Tensor], start: int = 0) -> list[torch.Tensor]:
+    """Δ_c[start:] as flat contiguous fp32 CPU tensors, one per tensor it touches, in spec order (views when they already are)."""
+    segments, offset = [], 0
+    for name, shape in ctx.spec:
+        n = math.prod(shape)
+        if offset + n > start:
+            flat = delta[name].detach().reshape(-1).to(device="cpu", dtype=torch.float32).contiguous()
+            segments.append(flat[max(0, start - offset) :])
+        offset += n
+    return segments
 
 
 def _chunks(segments: Sequence[torch.Tensor], chunk: int) -> Iterator[tuple[int, int, list[tuple[int, torch.Tensor]]]]:

@@ -17,11 +17,21 @@ Protocol per round, in this order:
    fuse averaging with the outer step chunk by chunk, in cache.
 
 `payload` bytes are exactly what the comms accountant counts.
+
+A round whose encoder no longer learns (`train.freeze_encoder_at`) has a frozen prefix
+(`RoundContext.frozen`: the leading tensors of the spec, which every party derives from params through
+`schedule.round_frozen_prefix`). Every site's Δ there is exactly 0 (`check_delta` / `check_frozen` refuse
+a site that moved one, naming it), so it stays home: payloads carry Δ[wire_start:] (`Transport.wire_start`:
+the prefix, rounded down to whole quantization blocks so that every block on the wire keeps its bounds),
+the header's spec hash binds the prefix, `mean_into` offsets are into the wire's vector, and the outer
+step takes Δ̄ = 0 on the whole prefix, whatever the wire says (`outer.apply_outer_step`). The round's parameters and momentum are the
+bits of the round that sends the zeros; its bytes are 2 (secure_int8) x the prefix fewer a site.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
@@ -61,10 +71,16 @@ class RoundContext:
     site_ids: tuple[str, ...]
     spec: ParamSpec
     weights: Mapping[str, float] = field(default_factory=dict)
+    frozen: int = 0
+    """Parameters at the head of the flat update (spec order, whole tensors) that do not learn this round:
+    every site's Δ there is exactly 0 (`check_delta` refuses anything else), Δ̄ there is 0, and they stay
+    off the wire (`frozen_prefix`; a transport sends from `Transport.wire_start` on)."""
 
     def __post_init__(self) -> None:
         if tuple(sorted(self.site_ids)) != self.site_ids:
             raise ValueError("RoundContext.site_ids must be sorted")
+        if self.frozen not in _tensor_boundaries(self.spec):
+            raise ValueError(f"RoundContext.frozen must end on a tensor boundary of the spec, got {self.frozen}")
 
     def weight(self, site: str) -> float:
         """w_c; uniform when no weights were given."""
@@ -73,8 +89,46 @@ class RoundContext:
         return float(self.weights[site])
 
 
+def _tensor_boundaries(spec: ParamSpec) -> set[int]:
+    """Offsets at which a tensor of the flat vector starts or the vector ends."""
+    offsets, total = {0}, 0
+    for _, shape in spec:
+        total += math.prod(shape)
+        offsets.add(total)
+    return offsets
+
+
+def frozen_prefix(spec: ParamSpec, frozen_names: Callable[[str], bool]) -> int:
+    """Parameters in the leading tensors of `spec` for which `frozen_names(name)` holds (RoundContext.frozen)."""
+    total = 0
+    for name, shape in spec:
+        if not frozen_names(name):
+            break
+        total += math.prod(shape)
+    return total
+
+
+def frozen_tensors(ctx: RoundContext) -> list[str]:
+    """Names of the tensors in the round's frozen prefix."""
+    names, total = [], 0
+    for name, shape in ctx.spec:
+        if total >= ctx.frozen:
+            break
+        names.append(name)
+        total += math.prod(shape)
+    return names
+
+
+def check_frozen(ctx: RoundContext, site: str, delta: Mapping[str, torch.Tensor]) -> None:
+    """IntegrityError naming the site and the tensor when Δ_c moves a tensor that is frozen this round."""
+    for name in frozen_tensors(ctx):
+        if bool(delta[name].detach().to(device="cpu").reshape(-1).ne(0).any()):
+            raise IntegrityError(f"update from {site!r} changes {name}, which is frozen in round {ctx.round_idx}"
+                                 " (train.freeze_encoder_at); a frozen tensor's update must be exactly 0", site=site)
+
+
 def check_delta(ctx: RoundContext, site: str, delta: Mapping[str, torch.Tensor]) -> None:
-    """Names, shapes, dtype and finiteness of a site's Δ_c against the round's spec."""
+    """Names, shapes, dtype and finiteness of a site's Δ_c against the round's spec; zero on the frozen prefix."""
     if site not in ctx.site_ids:
         raise IntegrityError(f"site {site!r} is not in the federation {list(ctx.site_ids)}", site=site)
     names = tuple(sorted(delta))
@@ -89,6 +143,7 @@ def check_delta(ctx: RoundContext, site: str, delta: Mapping[str, torch.Tensor])
             raise IntegrityError(f"update from {site!r}: {name} has shape {tuple(t.shape)}, expected {shape}", site=site)
         if not torch.isfinite(t).all():
             raise IntegrityError(f"update from {site!r}: {name} holds NaN or Inf", site=site)
+    check_frozen(ctx, site, delta)
 
 
 def flatten(spec: ParamSpec, delta: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -109,9 +164,9 @@ def unflatten(spec: ParamSpec, vec: torch.Tensor) -> dict[str, torch.Tensor]:
     return out
 
 
-def spec_hash(spec: ParamSpec) -> str:
-    """A short hash binding a payload to the federated parameter layout."""
-    return hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:16]
+def spec_hash(spec: ParamSpec, frozen: int = 0) -> str:
+    """A short hash binding a payload to the federated parameter layout (and the round's frozen prefix, when there is one)."""
+    return hashlib.sha256(json.dumps(spec if frozen == 0 else [spec, frozen]).encode()).hexdigest()[:16]
 
 
 def pack_header(header: dict) -> bytes:
@@ -208,11 +263,25 @@ class Transport(ABC):
 
     @abstractmethod
     def mean_into(self, ctx: RoundContext, accepted: Accepted, start: int, out_n: np.ndarray) -> None:
-        """Δ̄[start : start + n] = Σ_c w_c Δ_c over that slice, into the fp32 array `out_n` of length n."""
+        """Δ̄[start : start + n] = Σ_c w_c Δ_c over that slice of the wire's vector (offsets from `wire_start`),
+        into the fp32 array `out_n` of length n."""
 
     def fused_kernel(self, ctx: RoundContext, accepted: Accepted, lr: float, momentum: float) -> FusedKernel | None:
         """A native one-pass average + outer step over slices, if this transport has one (none by default)."""
         return None
+
+    def wire_start(self, ctx: RoundContext) -> int:
+        """Where the wire's vector starts in the flat update: the frozen prefix stays home (`RoundContext.frozen`).
+
+        Payloads carry Δ[wire_start:]; `mean_into` and a fused kernel take offsets into that vector. A
+        block-quantizing transport rounds down to whole blocks, so the blocks keep the bounds they have
+        without a frozen prefix (and every code its bits).
+        """
+        return ctx.frozen
+
+    def wire_numel(self, ctx: RoundContext) -> int:
+        """Parameters on the wire: N - wire_start."""
+        return spec_numel(ctx.spec) - self.wire_start(ctx)
 
     def capped_blocks(self, ctx: RoundContext) -> dict[str, int]:
         """Aggregator side, after `agree`: per site, the blocks whose announcement was capped (none by default)."""
@@ -221,8 +290,9 @@ class Transport(ABC):
     def aggregate(self, ctx: RoundContext, payloads: Mapping[str, bytes]) -> dict[str, torch.Tensor]:
         """Verify every payload and return Δ̄ = Σ_c w_c Δ_c (fp32), deterministically."""
         accepted = self.verify(ctx, payloads)
-        out_N = torch.empty(spec_numel(ctx.spec), dtype=torch.float32)
-        self.mean_into(ctx, accepted, 0, out_N.numpy())
+        out_N = torch.zeros(spec_numel(ctx.spec), dtype=torch.float32)
+        self.mean_into(ctx, accepted, 0, out_N[self.wire_start(ctx) :].numpy())
+        out_N[: ctx.frozen] = 0.0  # the frozen prefix does not learn, whatever a site put on its shared block
         return unflatten(ctx.spec, out_N)
 
 
@@ -233,12 +303,12 @@ class PlainFP32(Transport):
 
     def encode(self, ctx: RoundContext, site: str, delta: Mapping[str, torch.Tensor]) -> bytes:
         check_delta(ctx, site, delta)
-        header = {"run": ctx.run_id, "round": ctx.round_idx, "site": site, "spec": spec_hash(ctx.spec)}
-        body = flatten(ctx.spec, delta).numpy().astype("<f4").tobytes()
+        header = {"run": ctx.run_id, "round": ctx.round_idx, "site": site, "spec": spec_hash(ctx.spec, ctx.frozen)}
+        body = flatten(ctx.spec, delta)[self.wire_start(ctx) :].numpy().astype("<f4").tobytes()
         return pack_header(header) + body
 
     def verify(self, ctx: RoundContext, payloads: Mapping[str, bytes]) -> Accepted:
-        numel = spec_numel(ctx.spec)
+        numel = self.wire_numel(ctx)
         unknown = sorted(set(payloads) - set(ctx.site_ids))
         if unknown:
             raise IntegrityError(f"update from {unknown[0]!r}: site is not in the federation {list(ctx.site_ids)}", site=unknown[0])
@@ -248,7 +318,7 @@ class PlainFP32(Transport):
         bodies = {}
         for site in sorted(payloads):
             header, body = unpack_header(payloads[site], site)
-            expected = {"run": ctx.run_id, "round": ctx.round_idx, "site": site, "spec": spec_hash(ctx.spec)}
+            expected = {"run": ctx.run_id, "round": ctx.round_idx, "site": site, "spec": spec_hash(ctx.spec, ctx.frozen)}
             if header != expected:
                 raise IntegrityError(f"update from {site!r} is bound to {header}, expected {expected}", site=site)
             if len(body) != 4 * numel:

@@ -20,7 +20,8 @@ from lensemble.model.predictor import (
 )
 from lensemble.model.vit import ViTEncoder, vit_config
 
-FEDERATED_PREFIXES = ("encoder.", "predictor.")
+ENCODER_PREFIX = "encoder."
+FEDERATED_PREFIXES = (ENCODER_PREFIX, "predictor.")
 
 
 class WorldModel(nn.Module):
