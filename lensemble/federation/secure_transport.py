@@ -77,7 +77,7 @@ from lensemble.federation.signing import (
 )
 from lensemble.federation.site_pass import check_layout, flat_segments, new_payload, quantize_mask_into, weighted_absmax
 from lensemble.federation.transport import (
-    Accepted, AttemptAborted, FusedKernel, ParamSpec, RoundContext, Transport, check_delta, flatten, pack_header,
+    Accepted, AttemptAborted, FusedKernel, ParamSpec, RoundContext, Transport, block_aligned_start, check_delta, flatten, pack_header,
     spec_hash, spec_numel, unpack_header,
 )
 
@@ -126,7 +126,7 @@ def expected_comm_bytes(
     Header lengths depend on the run id, round and site name, hence those keyword arguments. `frozen`:
     the round's frozen prefix (`RoundContext.frozen`), which stays off the wire in whole blocks.
     """
-    wire_start = frozen if transport_name == "fp32" else frozen // block * block
+    wire_start = frozen if transport_name == "fp32" else block_aligned_start(frozen, block)
     n, z = spec_numel(spec) - wire_start, "0" * _HEX
     nb = num_blocks(n, block)
     parts = dict.fromkeys(("key_material", "announcement", "header", "scales", "body", "signature"), 0)
@@ -164,7 +164,7 @@ def _raise_bad_update(
     ctx: RoundContext, site: str, delta: Mapping[str, torch.Tensor], announced_B: torch.Tensor | None, block: int
 ) -> NoReturn:
     """Name what a one-pass check (`site_pass`) refused, with the reference checks and their errors."""
-    x_N = _site_vector(ctx, site, delta, True, ctx.frozen // block * block)  # IntegrityError: NaN, Inf, above MAX_ABS, frozen moved
+    x_N = _site_vector(ctx, site, delta, True, block_aligned_start(ctx.frozen, block))  # IntegrityError: NaN, Inf, above MAX_ABS, frozen moved
     if announced_B is not None and bool((block_absmax(x_N, block) > announced_B).any()):
         raise ValueError(f"secure_int8: the update of {site!r} changed between announce and encode")
     raise AssertionError(f"the one-pass check refused the update of {site!r} but the reference checks pass it")
@@ -238,8 +238,8 @@ class _SignedTransport(Transport):
         return super().begin_round(ctx)
 
     def wire_start(self, ctx: RoundContext) -> int:
-        """The frozen prefix rounded down to whole blocks: every block on the wire is the block it is without one."""
-        return ctx.frozen // self.block * self.block
+        """The frozen prefix rounded down to whole blocks (`block_aligned_start`)."""
+        return block_aligned_start(ctx.frozen, self.block)
 
     def _signing_key(self, site: str) -> Ed25519PrivateKey:
         if site not in self._site_keys:

@@ -119,6 +119,12 @@ def frozen_tensors(ctx: RoundContext) -> list[str]:
     return names
 
 
+def block_aligned_start(frozen: int, block: int) -> int:
+    """The wire's start for a block-quantizing transport: the frozen prefix rounded down to whole blocks, so every
+    block on the wire keeps the bounds (and every code the bits) it has without a frozen prefix."""
+    return frozen // block * block
+
+
 def check_frozen(ctx: RoundContext, site: str, delta: Mapping[str, torch.Tensor]) -> None:
     """IntegrityError naming the site and the tensor when Δ_c moves a tensor that is frozen this round."""
     for name in frozen_tensors(ctx):
