@@ -31,6 +31,7 @@ from pathlib import Path
 
 from flows.server import ServerRecord, ensure_server, stop_server, ui_url
 from lensemble.errors import ConfigError, LensembleError
+from orchestration.quick_exit import skip_final_collection
 
 STAGES = ("prepare", "residency", "centralized", "federate", "gauge", "evaluate", "report")
 
@@ -408,6 +409,7 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns the exit code (a LensembleError prints one line and gives its code)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    skip_final_collection()  # before any library registers its own exit handlers, so the freeze runs after them
     if argv and argv[0] in SUITES:
         return SUITES[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)

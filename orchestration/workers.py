@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 import torch
 
 from lensemble.device import resolve_device
+from orchestration.quick_exit import skip_final_collection
 
 T = TypeVar("T")
 _DONE = "done"  # (_DONE, call id): the last message of every call, after everything it logged
@@ -146,6 +147,7 @@ def _init_worker(threads: int, records, share: CoreShare | None = None) -> None:
     """Worker start: its torch threads, the queue its log records go back to the coordinator on, and (a background
     worker) the cores it shares with the site work."""
     global _records, _share
+    skip_final_collection()  # a pool's close waits for its workers' exits: 2.0-2.4 s each with the last collection, 0.3 s without
     torch.set_num_threads(threads)
     _records = records
     _share = share

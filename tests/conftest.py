@@ -9,14 +9,24 @@ from pathlib import Path
 import pytest
 import yaml
 
+from orchestration.quick_exit import skip_final_collection
+
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="lensemble-prefect-"))
+_OWN_PREFECT_HOME = None  # the session's Prefect home when this file made it (removed at the session's end)
+if "PREFECT_HOME" not in os.environ:
+    _OWN_PREFECT_HOME = os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="lensemble-prefect-")
+skip_final_collection()  # the session's exit skips the last collection over every object the tests made
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWN_PREFECT_HOME is not None:
+        shutil.rmtree(_OWN_PREFECT_HOME, ignore_errors=True)
 
 
 def micro_params() -> dict:

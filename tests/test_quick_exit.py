@@ -1,0 +1,65 @@
+"""A process's exit skips the interpreter's last garbage collection (orchestration/quick_exit.py): the freeze runs after
+every atexit handler registered later, and the CLI and every worker of a pool register it."""
+from __future__ import annotations
+
+import atexit
+import gc
+import subprocess
+import sys
+
+from pathlib import Path
+
+from orchestration.workers import WorkerPool
+
+# Nothing from tests.conftest at module level: a worker that unpickles `_exit_handlers_freeze` imports this module,
+# and conftest registers the freeze for the test session itself.
+REPO = Path(__file__).resolve().parents[1]
+
+PROBE = "import atexit, gc\natexit.register(lambda: print('after every handler, frozen:', gc.get_freeze_count() > 0, flush=True))\n"
+
+
+def _python(code: str, cwd=REPO) -> str:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=cwd,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_the_freeze_runs_after_the_handlers_registered_later_and_once():
+    out = _python(PROBE + (
+        "from orchestration.quick_exit import skip_final_collection\n"
+        "before = atexit._ncallbacks()\n"
+        "skip_final_collection(); skip_final_collection()\n"
+        "print('registered:', atexit._ncallbacks() - before, flush=True)\n"
+        "atexit.register(lambda: print('a library handler, frozen:', gc.get_freeze_count() > 0, flush=True))\n"))
+    assert out.splitlines() == ["registered: 1", "a library handler, frozen: False", "after every handler, frozen: True"]
+
+
+def test_without_it_the_heap_is_never_frozen():
+    """The probe itself: a plain exit freezes nothing (so the test above reads the registration, not the interpreter)."""
+    assert _python(PROBE).splitlines() == ["after every handler, frozen: False"]
+
+
+def test_the_cli_registers_it_before_any_command(tmp_path):
+    from tests.conftest import make_project, micro_params
+
+    root = make_project(tmp_path / "proj", micro_params())
+    out = _python(PROBE + "from flows.cli import main\nraise SystemExit(main(['--root', '.', 'check-params']))\n", cwd=root)
+    assert "is valid" in out and out.splitlines()[-1] == "after every handler, frozen: True"
+
+
+def _exit_handlers_freeze() -> bool:
+    """In a worker: run its exit handlers now (as its exit would) and say whether they froze the heap."""
+    gc.unfreeze()
+    atexit._run_exitfuncs()
+    frozen = gc.get_freeze_count() > 0
+    gc.unfreeze()
+    return frozen
+
+
+def test_every_worker_of_a_pool_registers_it():
+    pool = WorkerPool(1, 1)
+    try:
+        assert pool.call(_exit_handlers_freeze) is True
+    finally:
+        pool.close()
