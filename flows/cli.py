@@ -31,7 +31,7 @@ from pathlib import Path
 
 from flows.server import ServerRecord, ensure_server, stop_server, ui_url
 from lensemble.errors import ConfigError, LensembleError
-from orchestration.quick_exit import skip_final_collection
+from orchestration.heap import freeze_long_lived, skip_final_collection
 
 STAGES = ("prepare", "residency", "centralized", "federate", "gauge", "evaluate", "report")
 
@@ -221,7 +221,9 @@ def run_command(root: Path, args: argparse.Namespace) -> None:
 
     validate_warm_start(params, root)
     ensure_server(prefect_home())
-    stage_flow(args.stage, root)(root=str(root))
+    run = stage_flow(args.stage, root)
+    freeze_long_lived()  # the imports are done: no collection walks them again (orchestration.heap)
+    run(root=str(root))
 
 
 def budgets_command(root: Path, args: argparse.Namespace) -> None:

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import torch
 
 from lensemble.device import resolve_device
-from orchestration.quick_exit import skip_final_collection
+from orchestration.heap import freeze_long_lived, skip_final_collection
 
 T = TypeVar("T")
 _DONE = "done"  # (_DONE, call id): the last message of every call, after everything it logged
@@ -169,9 +169,11 @@ def _route_records() -> None:
 
 
 def _warm(modules: tuple[str, ...]) -> None:
-    """Import the modules of the bodies the pool will run, so a worker's first call pays no import."""
+    """Import the modules of the bodies the pool will run, so a worker's first call pays no import; then freeze them
+    out of every later collection (`orchestration.heap`)."""
     for name in modules:
         importlib.import_module(name)
+    freeze_long_lived()
 
 
 class PackedTensors:

@@ -1,4 +1,4 @@
-"""A process's exit skips the interpreter's last garbage collection (orchestration/quick_exit.py): the freeze runs after
+"""A process's exit skips the interpreter's last garbage collection (orchestration/heap.py): the freeze runs after
 every atexit handler registered later, and the CLI and every worker of a pool register it."""
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _python(code: str, cwd=REPO) -> str:
 
 def test_the_freeze_runs_after_the_handlers_registered_later_and_once():
     out = _python(PROBE + (
-        "from orchestration.quick_exit import skip_final_collection\n"
+        "from orchestration.heap import skip_final_collection\n"
         "before = atexit._ncallbacks()\n"
         "skip_final_collection(); skip_final_collection()\n"
         "print('registered:', atexit._ncallbacks() - before, flush=True)\n"
@@ -46,6 +46,28 @@ def test_the_cli_registers_it_before_any_command(tmp_path):
     root = make_project(tmp_path / "proj", micro_params())
     out = _python(PROBE + "from flows.cli import main\nraise SystemExit(main(['--root', '.', 'check-params']))\n", cwd=root)
     assert "is valid" in out and out.splitlines()[-1] == "after every handler, frozen: True"
+
+
+def test_a_stage_process_freezes_its_imports_before_the_flow_runs(tmp_path):
+    from tests.conftest import make_project, micro_params
+
+    root = make_project(tmp_path / "proj", micro_params())
+    out = _python(
+        "import gc\nimport flows.cli as cli\n"
+        "cli.ensure_server = lambda home: None\n"  # no Prefect server: the flow below is a stand-in that reads the heap
+        "cli.stage_flow = lambda stage, root: (lambda root: print('frozen as the flow starts:', gc.get_freeze_count() > 0))\n"
+        "print('frozen before:', gc.get_freeze_count() > 0)\n"
+        "raise SystemExit(cli.main(['--root', '.', 'run', 'prepare']))\n", cwd=root)
+    assert out.splitlines() == ["frozen before: False", "frozen as the flow starts: True"]
+
+
+def test_a_worker_freezes_its_warm_imports():
+    pool = WorkerPool(1, 1, warm=("json",))
+    try:
+        pool.wait_ready()
+        assert pool.call(gc.get_freeze_count) > 0
+    finally:
+        pool.close()
 
 
 def _exit_handlers_freeze() -> bool:

@@ -1,7 +1,13 @@
-"""How long a Lensemble process takes to exit, with and without the interpreter's last garbage collection
-(orchestration/quick_exit.py), beside the floor: `os._exit`, which skips every handler and all teardown.
+"""What the garbage collector costs a Lensemble process, with and without its long-lived heap frozen (orchestration/heap.py).
 
-    python benchmarks/exit_time.py [--repeats 3]
+    python benchmarks/gc_cost.py [--repeats 3] [--steps 200]
+
+Training: `--steps` pooled training steps of the default params on the sites' episodes (after `dvc repro`) in a process
+that holds what a stage imports, the time its collections took (gc.callbacks) beside the steps' own time, with the
+heap as imported and frozen after the imports.
+
+Exit: how long a process takes to exit, with and without the interpreter's last collection, beside the floor:
+`os._exit`, which skips every handler and all teardown.
 
 Each case is a fresh process that imports what a stage imports (`flows.federate`, `flows.evaluate`: torch,
 Prefect, MLflow, the simulators) and builds the default params' model; the figure is the median wall time from
@@ -25,7 +31,7 @@ STAGE = ("import flows.federate, flows.evaluate\n"
          f"model = build_model(load_params({str(REPO / 'params.yaml')!r}), 'federated')\n")
 ENDINGS = {
     "plain exit": "",
-    "skip_final_collection": "from orchestration.quick_exit import skip_final_collection\nskip_final_collection()\n",
+    "skip_final_collection": "from orchestration.heap import skip_final_collection\nskip_final_collection()\n",
     "floor (os._exit)": None,
 }
 POOL = ("import time\nfrom orchestration.workers import WorkerPool\nimport os\n"
@@ -42,10 +48,35 @@ def exit_seconds(code: str, floor: bool) -> float:
     return time.time() - float(done.stdout.strip().splitlines()[-1])
 
 
+TRAIN = (STAGE + "import gc, sys, time\nimport torch\n"
+         "from lensemble.data.episodes import read_episodes\nfrom lensemble.training import make_optimizer, train_steps\n"
+         "from lensemble.workflow import build_model, sampler_for\n"
+         f"p = load_params({str(REPO / 'params.yaml')!r})\ntorch.set_num_threads(p.run.torch_threads)\n"
+         f"samplers = [(s.embodiment, sampler_for(read_episodes({str(REPO)!r} + f'/data/sites/{{s.name}}/episodes.parquet', p.data.image_size), p))"
+         " for s in sorted(p.data.sites, key=lambda s: s.embodiment)]\n"
+         "if sys.argv[2] == 'frozen':\n    from orchestration.heap import freeze_long_lived\n    freeze_long_lived()\n"
+         "spent, began = [0.0], [0.0]\n"
+         "gc.callbacks.append(lambda phase, info: began.__setitem__(0, time.perf_counter()) if phase == 'start' "
+         "else spent.__setitem__(0, spent[0] + time.perf_counter() - began[0]))\n"
+         "model = build_model(p, 'centralized')\nsteps = int(sys.argv[1])\nt = time.perf_counter()\n"
+         "train_steps(model, make_optimizer(model, p.train), samplers, steps, train=p.train, objective=p.objective, run_seed=0,"
+         " round_idx=0, data_key='gc', schedule=(0, steps))\n"
+         "print(time.perf_counter() - t, spent[0], len(gc.get_objects()), gc.get_freeze_count())\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=200)
     args = ap.parse_args(argv)
+    if not (REPO / "data" / "sites").is_dir():
+        raise SystemExit("gc_cost: no data/sites here; run `dvc repro` first")
+    for heap in ("as imported", "frozen"):
+        wall, gc_s, tracked, frozen = (float(x) for x in subprocess.run(
+            [sys.executable, "-c", TRAIN, str(args.steps), heap.split()[0]], capture_output=True, text=True, cwd=REPO,
+            check=True).stdout.split())
+        print(f"training {args.steps} steps, heap {heap:11s}: {wall:.2f} s, of which collections {gc_s:.3f} s ({100 * gc_s / wall:.1f}%);"
+              f" {int(tracked):,} objects tracked, {int(frozen):,} frozen")
     for name, ending in ENDINGS.items():
         runs = [exit_seconds(STAGE + (ending or ""), ending is None) for _ in range(args.repeats)]
         print(f"stage process, {name:22s}: exit {statistics.median(runs):.2f} s (runs {', '.join(f'{r:.2f}' for r in runs)})")
