@@ -1,12 +1,12 @@
-"""A process's exit skips the interpreter's last garbage collection (orchestration/heap.py): the freeze runs after
-every atexit handler registered later, and the CLI and every worker of a pool register it."""
+"""The long-lived heap of a process (orchestration/heap.py): a stage process and every worker of a pool freeze it once
+their imports are done, and their exit skips the interpreter's last collection (the freeze runs after every atexit
+handler registered later; the CLI, every pool worker and the test session register it)."""
 from __future__ import annotations
 
 import atexit
 import gc
 import subprocess
 import sys
-
 from pathlib import Path
 
 from orchestration.workers import WorkerPool
