@@ -49,11 +49,11 @@ def exit_seconds(code: str, floor: bool) -> float:
 
 
 TRAIN = (STAGE + "import gc, sys, time\nimport torch\n"
-         "from lensemble.data.episodes import read_episodes\nfrom lensemble.training import make_optimizer, train_steps\n"
-         "from lensemble.workflow import build_model, sampler_for\n"
+         "from lensemble.paths import Layout\nfrom lensemble.training import make_optimizer, train_steps\n"
+         "from lensemble.workflow import load_site, sampler_for\n"
          f"p = load_params({str(REPO / 'params.yaml')!r})\ntorch.set_num_threads(p.run.torch_threads)\n"
-         f"samplers = [(s.embodiment, sampler_for(read_episodes({str(REPO)!r} + f'/data/sites/{{s.name}}/episodes.parquet', p.data.image_size), p))"
-         " for s in sorted(p.data.sites, key=lambda s: s.embodiment)]\n"
+         f"layout = Layout({str(REPO)!r})\n"
+         "samplers = [(s.embodiment, sampler_for(load_site(layout, p, s.name), p)) for s in sorted(p.data.sites, key=lambda s: s.embodiment)]\n"
          "if sys.argv[2] == 'frozen':\n    from orchestration.heap import freeze_long_lived\n    freeze_long_lived()\n"
          "spent, began = [0.0], [0.0]\n"
          "gc.callbacks.append(lambda phase, info: began.__setitem__(0, time.perf_counter()) if phase == 'start' "
