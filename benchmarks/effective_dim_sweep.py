@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lensemble.model.vit import VIT_CONFIGS  # noqa: E402
+from lensemble.model.sizes import VIT_CONFIGS  # noqa: E402
 from lensemble.config import load_params  # noqa: E402
 from lensemble.gauge import effective_dim, pool_tokens  # noqa: E402
 from lensemble.paths import Layout  # noqa: E402

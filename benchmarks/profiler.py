@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.suite import STEP_SETTINGS, StepSetting, bench_params, step_fixture
 from lensemble.errors import LensembleError
-from lensemble.model.vit import vit_config
+from lensemble.model.sizes import vit_config
 from lensemble.perf import torch_threads
 
 SPANS = ("encoder_forward", "predictor_step", "sigreg_anchor", "backward", "optimizer_step")

@@ -199,24 +199,27 @@ def prefect_home() -> Path:
 def check_params_command(root: Path, args: argparse.Namespace) -> None:
     """`lensemble check-params`: validate params.yaml (and that its run.device is here) and print its hash."""
     from lensemble.config import load_params
-    from lensemble.device import resolve_device
 
     path = root / "params.yaml"
-    params = load_params(path)
+    params = load_params(path)  # imports no torch: a bad file is a one-line error in well under a second
+    from lensemble.device import resolve_device
+
     resolve_device(params.run.device)
     print(f"{path} is valid (params hash {params.hash()})")
 
 
 def run_command(root: Path, args: argparse.Namespace) -> None:
     """`lensemble run STAGE`: one stage's flow, after its inputs and the warm start are checked."""
-    from flows.inputs import check_inputs
     from lensemble.config import load_params
+
+    # fail fast, before any server or run starts: a bad params file or a missing input before torch is imported
+    params = load_params(root / "params.yaml")
+    from flows.inputs import check_inputs
+
+    check_inputs(args.stage, params, root)
     from lensemble.device import resolve_device
 
-    # fail fast, before any server or run starts (and before torch is imported: a missing input takes < 2 s)
-    params = load_params(root / "params.yaml")
     resolve_device(params.run.device)  # run.device: cuda on a machine without one is a one-line error here
-    check_inputs(args.stage, params, root)
     from lensemble.model.warm_start import validate_warm_start
 
     validate_warm_start(params, root)
@@ -233,13 +236,14 @@ def budgets_command(root: Path, args: argparse.Namespace) -> None:
 
 def join_command(root: Path, args: argparse.Namespace) -> None:
     """`lensemble join SITE`: the site and the federated model checked, then the join flow."""
-    from flows.join import join_flow
     from lensemble.config import load_params
+
+    params = load_params(root / "params.yaml")  # a bad file before torch, Prefect and MLflow are imported
+    from flows.join import join_flow
     from lensemble.device import resolve_device
     from lensemble.errors import DataError
     from orchestration.joining import join_site
 
-    params = load_params(root / "params.yaml")
     resolve_device(params.run.device)
     join_site(params, args.site)
     if not (root / "models" / "federated.pt").is_file():
@@ -273,10 +277,6 @@ def export_command(root: Path, args: argparse.Namespace) -> None:
 
 def ablate_command(root: Path, args: argparse.Namespace) -> None:
     """`lensemble ablate`: every grid point's params checked, then the grid as a Prefect map."""
-    from prefect.task_runners import ThreadPoolTaskRunner
-
-    from flows.ablation import ablation_flow
-
     try:
         inner = tuple(int(v) for v in args.inner_steps.split(","))
         anchors = tuple(float(v) for v in args.anchor_weight.split(","))
@@ -291,7 +291,11 @@ def ablate_command(root: Path, args: argparse.Namespace) -> None:
     raw = load_yaml(root / "params.yaml") if (root / "params.yaml").is_file() else None
     for point in grid(load_params(root / "params.yaml"), list(inner), list(anchors)):
         point_params(raw, point)
-    require_inputs(root)  # all before any server, run or folder is started
+    require_inputs(root)  # all before any server, run or folder is started, and before Prefect and torch are imported
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    from flows.ablation import ablation_flow
+
     ensure_server(prefect_home())
     ablation_flow.with_options(task_runner=ThreadPoolTaskRunner(max_workers=args.parallel))(
         root=str(root), inner_steps=inner, anchor_weights=anchors)

@@ -39,7 +39,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from lensemble.config import Params
-from lensemble.model.vit import ViTEncoder, vit_config
+from lensemble.model.sizes import vit_config
+from lensemble.model.vit import ViTEncoder
 from lensemble.model.world_model import FEDERATED_PREFIXES, WorldModel
 from lensemble.objectives.losses import world_model_loss
 from lensemble.workflow import build_model

@@ -123,7 +123,7 @@ class DataParams(Section):
 
 
 class ModelParams(Section):
-    encoder: str = Field("micro", description="ViT config name, a key of VIT_CONFIGS in lensemble/model/vit.py.")
+    encoder: str = Field("micro", description="ViT config name, a key of VIT_CONFIGS in lensemble/model/sizes.py.")
     patch_size: int = Field(8, ge=1, description="Patch side; must divide data.image_size.")
     predictor_width: int = Field(64, ge=8, description="Predictor transformer width.")
     predictor_depth: int = Field(2, ge=1, le=48, description="Predictor transformer blocks.")
@@ -135,7 +135,7 @@ class ModelParams(Section):
     @field_validator("encoder")
     @classmethod
     def _known_encoder(cls, name: str) -> str:
-        from lensemble.model.vit import VIT_CONFIGS
+        from lensemble.model.sizes import VIT_CONFIGS
 
         if name not in VIT_CONFIGS:
             raise ValueError(f"unknown ViT config {name!r}; known: {sorted(VIT_CONFIGS)}")

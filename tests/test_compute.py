@@ -14,7 +14,8 @@ from benchmarks.suite import BENCHMARKS, StepSetting, bench_main, bench_params, 
 from lensemble import compute
 from lensemble.config import load_params, parse_params
 from lensemble.errors import ConfigError
-from lensemble.model.vit import ViTEncoder, vit_config
+from lensemble.model.sizes import vit_config
+from lensemble.model.vit import ViTEncoder
 from lensemble.model.warm_start import validate_warm_start, warm_start_encoder
 from lensemble.training import autocast_context
 from lensemble.workflow import build_model

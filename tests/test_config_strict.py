@@ -225,6 +225,43 @@ def test_check_params_on_a_good_file_prints_its_hash(tmp_path):
     assert proc.stdout.strip() == f"{tmp_path / 'params.yaml'} is valid (params hash {digest})"
 
 
+HEAVY = ("torch", "prefect", "mlflow")
+
+
+def _imports_of_a_refusal(root: Path, command: list[str], code: int, error: str) -> set[str]:
+    """Run the CLI with the interpreter's own import log (-X importtime); check it exits `code` with the one line `error`,
+    and return the modules it imported."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_HOME")}
+    env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "flows.cli", "--root", str(root), *command], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == code, proc.stderr[-2000:]
+    log = [line for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    errors = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
+    assert errors == [f"lensemble: error: {error}"], errors
+    return {line.split("|")[-1].strip() for line in log}
+
+
+@pytest.mark.parametrize("command", [["check-params"], ["run", "federate"], ["ablate"], ["join", "site_d"]])
+def test_a_bad_params_file_is_refused_before_torch_prefect_or_mlflow_is_imported(tmp_path, command):
+    """Validation imports none of the heavy packages: a typo in params.yaml costs a user well under a second, not the
+    2-4 s of importing torch (and Prefect for `ablate`) first."""
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(_with(("model", "encoder"), "nope")))
+    imported = _imports_of_a_refusal(tmp_path, command, 2, "model.encoder: unknown ViT config 'nope'; known: "
+                                     "['base', 'large', 'micro', 'nano16', 'nano32', 'nano8', 'small', 'tiny']")
+    assert "lensemble.config" in imported  # the log is read: validation did run in this process
+    assert not {name for name in imported if name.split(".")[0] in HEAVY}, sorted(n for n in imported if n.split(".")[0] in HEAVY)[:5]
+
+
+def test_a_missing_input_is_refused_before_torch_prefect_or_mlflow_is_imported(tmp_path):
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(BASE))
+    imported = _imports_of_a_refusal(tmp_path, ["run", "centralized"], 3, "stage centralized cannot start: missing "
+                                     "data/sites/a/episodes.parquet, data/sites/b/episodes.parquet, data/probe/grid_point.parquet; run `lensemble run prepare` "
+                                     "first (or `dvc repro centralized`)")
+    assert "flows.inputs" in imported
+    assert not {name for name in imported if name.split(".")[0] in HEAVY}, sorted(n for n in imported if n.split(".")[0] in HEAVY)[:5]
+
+
 def test_planning_energy_names_a_known_embodiment_and_a_known_reading():
     assert _error(_with(("evaluate", "energy"), {"mujoco_point": "sum"})) == (
         "evaluate.energy.mujoco_point: Input should be 'final' or 'mean', got 'sum'")

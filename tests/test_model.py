@@ -168,7 +168,8 @@ def test_a_cache_prefix_is_the_cache_of_a_pass_over_the_prefix_alone():
 
 
 def test_patch_embedding_is_the_strided_convolution_and_keeps_its_state_dict():
-    from lensemble.model.vit import ViTEncoder, vit_config
+    from lensemble.model.sizes import vit_config
+    from lensemble.model.vit import ViTEncoder
     torch.manual_seed(3)
     enc = ViTEncoder(vit_config("micro"), image_size=64, patch_size=16)
     x = torch.randn(5, 3, 64, 64)

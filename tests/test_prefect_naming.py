@@ -6,6 +6,7 @@ import json
 import logging
 import subprocess
 import sys
+import time
 from functools import partial
 
 import pytest
@@ -131,9 +132,22 @@ def api_logs():
     logger.setLevel(level)
 
 
+def _task_runs(client, run_id, expected: set[str], timeout: float = 60.0) -> list:
+    """The flow run's task runs once every `expected` name is among them (or the timeout passed): the Prefect server
+    writes a task run from the events its client sends, so the last ones may land a moment after the flow returned."""
+    from prefect.client.schemas.filters import FlowRunFilter
+
+    deadline = time.monotonic() + timeout
+    while True:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [run_id]}))
+        if expected <= {t.name for t in runs} or time.monotonic() > deadline:
+            return runs
+        time.sleep(0.2)
+
+
 def test_a_stage_run_is_named_tagged_and_logs_at_info(prefect_server, project, api_logs):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, LogFilter
+    from prefect.client.schemas.filters import LogFilter
 
     from flows.cli import stage_flow
     from lensemble.observability.hardware import hardware_class
@@ -145,11 +159,12 @@ def test_a_stage_run_is_named_tagged_and_logs_at_info(prefect_server, project, a
     run_id = state.state_details.flow_run_id
     with get_client(sync_client=True) as client:
         run = client.read_flow_run(run_id)
-        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [run_id]}))
+        expected = {"generate-site_a", "generate-site_b", "generate-probe-grid_point", "generate-probe-grid_thruster"}
+        tasks = _task_runs(client, run_id, expected)
         logs = client.read_logs(log_filter=LogFilter(flow_run_id={"any_": [run_id]}))
     assert run.name == f"prepare-{p.hash()[:8]}"
     assert {"stage:prepare", f"params:{p.hash()[:12]}", f"hw:{hardware_class(p.run.hardware_class)}"} <= set(run.tags)
-    assert {"generate-site_a", "generate-site_b", "generate-probe-grid_point", "generate-probe-grid_thruster"} <= {t.name for t in tasks}
+    assert expected <= {t.name for t in tasks}
     info = [(log.message, log.task_run_id) for log in logs if log.level == logging.INFO]
     assert any(msg.startswith(f"prepare: started flow run 'prepare-{p.hash()[:8]}' (http://") for msg, _ in info), info
     assert any(msg.startswith("prepare: finished in ") for msg, _ in info), info
@@ -159,7 +174,7 @@ def test_a_stage_run_is_named_tagged_and_logs_at_info(prefect_server, project, a
 
 def test_federation_task_runs_are_named_by_site_and_round_and_each_round_logs_a_line(prefect_server, project, api_logs):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, LogFilter
+    from prefect.client.schemas.filters import LogFilter
 
     from flows.cli import stage_flow
 
@@ -170,15 +185,16 @@ def test_federation_task_runs_are_named_by_site_and_round_and_each_round_logs_a_
     run_id = state.state_details.flow_run_id
     with get_client(sync_client=True) as client:
         run = client.read_flow_run(run_id)
-        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [run_id]}))
+        expected = {f"{part}-round-{r}-{what}" for r in ("00", "01") for part, what in (
+            ("site_a", "train"), ("site_b", "train"), ("site_a", "announce"), ("site_b", "encode"))}
+        expected |= {f"round-{r}-{what}" for r in ("00", "01") for what in ("aggregate", "gauge", "record")}
+        expected |= {"preflight-federate", "site_a-adapt-head", "site_b-local-only-train"}
+        task_runs = _task_runs(client, run_id, expected)
         names = {t.name for t in task_runs}
         logs = [log.message for log in client.read_logs(log_filter=LogFilter(flow_run_id={"any_": [run_id]}))]
     assert "stage:federate" in run.tags and run.name.startswith("federate-")
     assert not [t.name for t in task_runs if t.tags]  # untagged: no tag concurrency slot to take before each task
-    for r in ("00", "01"):
-        assert {f"site_a-round-{r}-train", f"site_b-round-{r}-train", f"site_a-round-{r}-announce", f"site_b-round-{r}-encode",
-                f"round-{r}-aggregate", f"round-{r}-gauge", f"round-{r}-record"} <= names, names
-    assert {"preflight-federate", "site_a-adapt-head", "site_b-local-only-train"} <= names, names
+    assert expected <= names, sorted(expected - names)
     rounds = [m for m in logs if m.startswith("federate: round ")]
     assert [m.split(" done in ")[0] for m in rounds] == ["federate: round 00 (1 of 2)", "federate: round 01 (2 of 2)"], logs
     assert all("bytes on the wire, mean site loss/pred " in m for m in rounds)

@@ -84,7 +84,8 @@ def validate_warm_start(params, root: str | Path = ".") -> None:
     """
     if params.model.warm_start is None:
         return
-    from lensemble.model.vit import ViTEncoder, vit_config
+    from lensemble.model.sizes import vit_config
+    from lensemble.model.vit import ViTEncoder
 
     with torch.device("meta"):
         encoder = ViTEncoder(vit_config(params.model.encoder), params.data.image_size, params.model.patch_size)

@@ -18,7 +18,8 @@ from lensemble.model.predictor import (
     Predictor,
     ProprioAdapter,
 )
-from lensemble.model.vit import ViTEncoder, vit_config
+from lensemble.model.sizes import vit_config
+from lensemble.model.vit import ViTEncoder
 
 ENCODER_PREFIX = "encoder."
 FEDERATED_PREFIXES = (ENCODER_PREFIX, "predictor.")
