@@ -154,3 +154,18 @@ def test_the_closure_follows_lazy_imports_imports_by_name_and_compiled_sources()
     assert lib / "federation" / "fused_step.c" in closure(lib / "federation" / "native.py")  # compiled at run time
     assert module_path("lensemble.sim") == lib / "sim" / "__init__.py"
     assert module_name(lib / "sim" / "__init__.py") == "lensemble.sim" and module_path("numpy") is None
+
+
+def test_a_code_dep_is_its_sources_not_the_bytecode_python_compiled():
+    """DVC hashes a directory dep file by file: bytecode in __pycache__ changed every stage's deps whenever an interpreter
+    compiled a module (a test run), and `dvc status` then called up-to-date results stale. .dvcignore leaves it out."""
+    from dvc.repo import Repo
+
+    with Repo(str(REPO)) as repo:
+        assert repo.dvcignore.is_ignored_dir(str(REPO / "lensemble" / "model" / "__pycache__"))
+        assert repo.dvcignore.is_ignored_file(str(REPO / "lensemble" / "model" / "__pycache__" / "vit.cpython-311.pyc"))
+        for stage in STAGES.values():  # every source a stage depends on still counts
+            for dep in stage["deps"]:
+                if is_code(dep):
+                    ignored = repo.dvcignore.is_ignored_dir if (REPO / dep).is_dir() else repo.dvcignore.is_ignored_file
+                    assert not ignored(str(REPO / dep)), dep
