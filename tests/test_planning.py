@@ -88,14 +88,47 @@ def test_goal_energy_is_the_weighted_distance_in_closed_form():
     per_step = 0.5 * at_SH ** 2 + (2 * 4.0 + at_SH ** 2) / 3.0  # [S, H]
     assert torch.allclose(goal_energy(goal_z, goal_q, 0.5, w)((z, q)), per_step[:, -1])
     assert torch.allclose(goal_energy(goal_z, goal_q, 0.5, w, over="mean")((z, q)), per_step.mean(1))
-    # the reacher's weights read only the fingertip; velocities never count
+    # the reacher's weights read the fingertip, and its joint velocities a little; never the arm's pose
     from lensemble.sim.registry import embodiment_class
 
     reacher = embodiment_class("mujoco_reacher")
     vis, wq = energy_weights(reacher, 16)
-    assert vis == 0.0 and wq.nonzero().flatten().tolist() == [9, 10]
+    assert vis == 0.0 and wq.nonzero().flatten().tolist() == [6, 7, 8, 9, 10]
+    assert wq[9] == wq[10] == 1.0 and 0.0 < wq[6] == wq[7] == wq[8] <= 0.05
     _, wp = energy_weights(embodiment_class("mujoco_point"), 16)
     assert wp.nonzero().flatten().tolist() == [0, 1]
+
+
+def test_the_reachers_energy_prefers_arriving_at_rest_and_ignores_the_arm_pose():
+    """Two plans put the fingertip on the same path to the target; one arrives with the arm still, the other swinging
+    (how the models' plans passed through the target and on). The reacher's energy prefers the first; a third plan
+    that ends still but in another arm pose (same fingertip) costs what the first does."""
+    from lensemble.sim.registry import embodiment_class
+
+    reacher = embodiment_class("mujoco_reacher")
+    vis, w = energy_weights(reacher, 16)
+    goal_q = torch.zeros(16)
+    goal_q[9:11] = torch.tensor([0.5, -0.5])  # the goal's fingertip; its joints at rest (velocities 0)
+    path_H2 = torch.tensor([[0.0, 0.0], [0.25, -0.25], [0.5, -0.5]])  # the fingertip reaches the goal at the last step
+    still, swinging, other_pose = (torch.zeros(1, 3, 16) for _ in range(3))
+    for q in (still, swinging, other_pose):
+        q[0, :, 9:11] = path_H2
+    swinging[0, :, 6:9] = 3.0  # every joint turning at 3 rad/s
+    other_pose[0, :, 0:6] = 0.7  # another cos/sin of the joint angles
+    z = torch.zeros(1, 3, 2, 4)
+    for over in ("final", "mean"):
+        cost = goal_energy(torch.zeros(2, 4), goal_q, vis, w, over=over)
+        assert float(cost((z, still))) < float(cost((z, swinging)))
+        assert float(cost((z, other_pose))) == float(cost((z, still)))
+    # on the goal with every joint turning at 1 rad/s costs more than still 2 cm off it, less than still 5 cm off
+    # (the fingertip's proprio_scale is 0.15 m): the velocities weigh little beside the criterion
+    final = goal_energy(torch.zeros(2, 4), goal_q, vis, w)
+    at_goal = still.clone()
+    at_goal[0, -1, 6:9] = 1.0
+    off = [still.clone() for _ in range(2)]
+    for q, metres in zip(off, (0.02, 0.05)):
+        q[0, -1, 9] = goal_q[9] + metres / 0.15
+    assert float(final((z, off[0]))) < float(final((z, at_goal))) < float(final((z, off[1])))
 
 
 def test_history_context_is_the_last_observations_and_the_actions_between_them():
