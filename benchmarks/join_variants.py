@@ -29,6 +29,7 @@ from lensemble.config import JoinParams, load_params
 from lensemble.model.world_model import WorldModel
 from lensemble.paths import Layout
 from orchestration import joining
+from orchestration.join_sites import join_site
 from tasks.data import generate_site
 
 VARIANTS = ("adapter", "head-only", "finetune")
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # as in the command's worker process
     params = load_params(args.params)
-    site = joining.join_site(params, args.site)
+    site = join_site(params, args.site)
     name = site.name if args.episodes is None else f"{site.name}-{args.episodes}"
     site = site.model_copy(update={"name": name, "episodes": args.episodes or site.episodes})
     params = params.model_copy(update={"join": JoinParams(sites=(site,), steps=params.join.steps)})

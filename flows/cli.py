@@ -237,17 +237,18 @@ def budgets_command(root: Path, args: argparse.Namespace) -> None:
 def join_command(root: Path, args: argparse.Namespace) -> None:
     """`lensemble join SITE`: the site and the federated model checked, then the join flow."""
     from lensemble.config import load_params
-
-    params = load_params(root / "params.yaml")  # a bad file before torch, Prefect and MLflow are imported
-    from flows.join import join_flow
-    from lensemble.device import resolve_device
     from lensemble.errors import DataError
-    from orchestration.joining import join_site
+    from orchestration.join_sites import join_site
 
-    resolve_device(params.run.device)
+    # a bad file, an unknown site or no federated model before torch, Prefect and MLflow are imported
+    params = load_params(root / "params.yaml")
     join_site(params, args.site)
     if not (root / "models" / "federated.pt").is_file():
         raise DataError(f"{root / 'models' / 'federated.pt'} does not exist: run the federation first (dvc repro)")
+    from flows.join import join_flow
+    from lensemble.device import resolve_device
+
+    resolve_device(params.run.device)
     ensure_server(prefect_home())
     join_flow(root=str(root), site=args.site)
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.runs import STAGE_RUN
-from orchestration.joining import AGENTS, join_site
+from orchestration.join_sites import join_site
+from orchestration.joining import AGENTS
 from orchestration.runner import stage_run
 from tasks.join import generate_join_episodes, join_and_evaluate
 from tasks.residency import check_outputs

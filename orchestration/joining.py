@@ -25,11 +25,11 @@ import time
 import torch
 from scipy import stats
 
-from lensemble.config import JoinSiteParams, Params
+from lensemble.config import Params
 from lensemble.data.audit import load_index
 from lensemble.data.episodes import read_episodes
 from lensemble.data.residency import ResidencyGuard
-from lensemble.errors import ConfigError, DataError
+from lensemble.errors import DataError
 from lensemble.evaluation import ORACLE
 from lensemble.model.world_model import WorldModel, load_federated
 from lensemble.paths import Layout
@@ -37,6 +37,7 @@ from lensemble.seeds import generator
 from lensemble.training import make_optimizer, train_steps
 from lensemble.workflow import build_model, eval_seeds, place, sampler_for
 from orchestration.evaluation import closed_loop, planning_env
+from orchestration.join_sites import join_site
 
 AGENTS = ("joined", "scratch", "oracle", "random")
 TRAINED = ("joined", "scratch")
@@ -46,16 +47,6 @@ JOIN_METRICS = frozenset(
     + [f"eval/join/{k}/{m}" for k in TRAINING_FIGURES for m in TRAINED] + ["eval/join/plan_seconds", "eval/join/joined_vs_scratch_p"]
 )
 """The names the joining site's guard lets leave: its result, scalars only."""
-
-
-def join_site(params: Params, name: str) -> JoinSiteParams:
-    """The `join.sites` entry named `name`; ConfigError listing the joinable sites."""
-    for j in params.join.sites:
-        if j.name == name:
-            return j
-    known = [j.name for j in params.join.sites]
-    raise ConfigError(f"unknown joining site {name!r}; join.sites in params: {known} (a joining site is declared there, "
-                      "with its embodiment and episodes)")
 
 
 def joined_model(params: Params, layout: Layout, embodiment: str) -> WorldModel:

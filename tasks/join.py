@@ -6,7 +6,8 @@ from prefect.cache_policies import NONE
 
 from lensemble.config import Params
 from lensemble.paths import Layout
-from orchestration.joining import join_site, run_join
+from orchestration.join_sites import join_site
+from orchestration.joining import run_join
 from orchestration.workers import site_pool
 from tasks.data import generate_site
 

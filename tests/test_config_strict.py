@@ -265,6 +265,19 @@ def test_a_missing_input_is_refused_before_torch_prefect_or_mlflow_is_imported(t
     assert "flows.inputs" in imported
 
 
+@pytest.mark.parametrize("site, code, error", [
+    ("site_x", 2, "unknown joining site 'site_x'; join.sites in params: ['j'] (a joining site is declared there, with its embodiment "
+                  "and episodes)"),
+    ("j", 3, "{root}/models/federated.pt does not exist: run the federation first (dvc repro)"),
+])
+def test_join_refuses_an_unknown_site_or_a_missing_federated_model_before_torch_prefect_or_mlflow_is_imported(tmp_path, site, code, error):
+    """`lensemble join` names a mistyped site, or the federation it needs, in well under a second (it took 4.2 s, importing the
+    model code and the flows first)."""
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(BASE))
+    imported = _imports_of_a_refusal(tmp_path, ["join", site], code, error.format(root=tmp_path))
+    assert "orchestration.join_sites" in imported
+
+
 def test_planning_energy_names_a_known_embodiment_and_a_known_reading():
     assert _error(_with(("evaluate", "energy"), {"mujoco_point": "sum"})) == (
         "evaluate.energy.mujoco_point: Input should be 'final' or 'mean', got 'sum'")

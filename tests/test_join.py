@@ -10,7 +10,8 @@ import yaml
 
 from lensemble.config import parse_params
 from lensemble.errors import ConfigError
-from orchestration.joining import JOIN_METRICS, join_site
+from orchestration.join_sites import join_site
+from orchestration.joining import JOIN_METRICS
 from tests.conftest import REPO, make_project, micro_params
 
 pytestmark = pytest.mark.e2e
