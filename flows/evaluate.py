@@ -25,6 +25,7 @@ def by_embodiment(results: dict, agents: tuple[str, ...]) -> dict:
         oracle = mean["oracle"]
         table[emb] = {**mean, "episodes": sum(r[agents[0]]["episodes"] for r in rows), "success_criterion": rows[0]["success_criterion"],
                       "max_steps": rows[0]["max_steps"], "energy": rows[0].get("energy", "final"),
+                      "energy_terms": rows[0].get("energy_terms", ""),
                       "of_oracle": {a: (mean[a] / oracle if oracle > 0 else None) for a in agents if a not in REFERENCES}}
     return table
 

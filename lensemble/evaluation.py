@@ -74,6 +74,20 @@ def energy_weights(env: Embodiment, width: int) -> tuple[float, torch.Tensor]:
     return float(env.goal_visual_weight), w  # on the CPU; `goal_energy` puts it beside the goal
 
 
+def energy_terms(env: Embodiment) -> str:
+    """What the goal energy of `env` weighs, for reports: the image's weight, then each run of proprioception components
+    with one weight (0-based, ends inclusive), heaviest first, e.g. "proprio 9–10 ×1, 6–8 ×0.02; image ×0"."""
+    vis, w = energy_weights(env, env.proprio_dim)
+    runs: list[tuple[int, int, float]] = []
+    for i, x in enumerate(w.tolist()):
+        if runs and runs[-1][2] == x and runs[-1][1] == i - 1:
+            runs[-1] = (runs[-1][0], i, x)
+        else:
+            runs.append((i, i, x))
+    parts = [f"{a}{'' if a == b else f'–{b}'} ×{x:g}" for a, b, x in sorted((r for r in runs if r[2] > 0), key=lambda r: (-r[2], r[0]))]
+    return (f"proprio {', '.join(parts)}; " if parts else "") + f"image ×{vis:g}"
+
+
 def check_energy_over(over: str) -> None:
     """ValueError naming the choices for an unknown way of reading the energy over the horizon."""
     if over not in ENERGY_OVER:

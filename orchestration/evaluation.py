@@ -10,7 +10,7 @@ import torch
 from lensemble.config import Params
 from lensemble.dynamics import dynamics_report, push_capture, push_windows_for, world_probe_r2, world_probe_set
 from lensemble.errors import DataError
-from lensemble.evaluation import ORACLE, evaluate, planning_energy
+from lensemble.evaluation import ORACLE, energy_terms, evaluate, planning_energy
 from lensemble.model.world_model import WorldModel, load_federated
 from lensemble.paths import Layout
 from lensemble.planning.cem import CEMConfig
@@ -93,7 +93,7 @@ def evaluate_models(params: Params, layout: Layout, site: str, names: tuple[str,
     finally:
         env.close()
     return {"embodiment": embodiment, "success_criterion": f"{env.criterion}: {env.success_criteria[env.criterion]}",
-            "max_steps": params.evaluate.max_steps, "energy": energy, "diagnostics": diagnostics, **out}
+            "max_steps": params.evaluate.max_steps, "energy": energy, "energy_terms": energy_terms(env), "diagnostics": diagnostics, **out}
 
 
 def planning_env(params: Params, embodiment: str):

@@ -113,6 +113,8 @@ def test_pipeline_end_to_end(prefect_server, project):
     _planning_over_seeds_reproduces_the_stage(project, ev)
     for emb in ("grid_point", "grid_thruster"):  # every table reads each model against the oracle and the floor
         assert {"centralized", "federated", "local_only", "oracle", "random", "of_oracle", "success_criterion"} <= set(ev["embodiments"][emb])
+        assert ev["embodiments"][emb]["energy_terms"] == "proprio 0–1 ×1; image ×1"  # what the planner's energy weighs, in the table
+        assert f"| {emb} | " in report and "| proprio 0–1 ×1; image ×1 |" in report
     diag = ev["sites"]["site_a"]["diagnostics"]["federated"]
     assert len(diag["rollout_vs_copy"]) == 2 and diag["action_sensitivity"] > 0 and diag["probe_r2"] <= 1.0
     assert diag["world_probe_r2"] == {}  # the grid's frames show nothing beyond the agent's proprioception

@@ -99,6 +99,16 @@ def test_goal_energy_is_the_weighted_distance_in_closed_form():
     assert wp.nonzero().flatten().tolist() == [0, 1]
 
 
+def test_the_energy_is_described_as_the_weights_it_applies():
+    from lensemble.evaluation import energy_terms
+    from lensemble.sim.registry import embodiment_class
+
+    assert energy_terms(embodiment_class("mujoco_reacher")) == "proprio 9–10 ×1, 6–8 ×0.02; image ×0"
+    assert energy_terms(embodiment_class("mujoco_point")) == "proprio 0–1 ×1; image ×0"
+    assert energy_terms(embodiment_class("pusht")) == "proprio 0–1 ×1; image ×1"
+    assert energy_terms(embodiment_class("dmc_reacher")) == "proprio 4–5 ×1; image ×0"
+
+
 def test_the_reachers_energy_prefers_arriving_at_rest_and_ignores_the_arm_pose():
     """Two plans put the fingertip on the same path to the target; one arrives with the arm still, the other swinging
     (how the models' plans passed through the target and on). The reacher's energy prefers the first; a third plan
