@@ -84,7 +84,8 @@ def energy_terms(env: Embodiment) -> str:
             runs[-1] = (runs[-1][0], i, x)
         else:
             runs.append((i, i, x))
-    parts = [f"{a}{'' if a == b else f'–{b}'} ×{x:g}" for a, b, x in sorted((r for r in runs if r[2] > 0), key=lambda r: (-r[2], r[0]))]
+    weighed = sorted((r for r in runs if r[2] > 0), key=lambda r: (-r[2], r[0]))
+    parts = [f"{a}{'' if a == b else f'–{b}'} ×{x:g}" for a, b, x in weighed]
     return (f"proprio {', '.join(parts)}; " if parts else "") + f"image ×{vis:g}"
 
 

@@ -523,15 +523,15 @@ def render_markdown(figures: dict, budgets: list[dict], hw_class: str, hardware:
         cell = lambda m: f"{r[m]['success_rate']:.2f} [{r[m]['ci_low']:.2f}, {r[m]['ci_high']:.2f}]" if m in r else "not trained"  # noqa: E731
         lines.append(f"| {site} | {r['embodiment']} | {cell('centralized')} | {cell('federated')} | {cell('local_only')} | {cell('oracle')} | "
                      f"{cell('random')} | {r['federated']['plan_seconds']:.3f} |")
-    lines += ["", "| embodiment | episodes | step budget | energy over the horizon | energy weighs | success criterion | pooled ÷ oracle | federated ÷ pooled |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| embodiment | episodes | step budget | energy over the horizon | energy weighs | success criterion "
+                  "| pooled ÷ oracle | federated ÷ pooled |", "|---|---|---|---|---|---|---|---|"]
     for emb, row in e.get("embodiments", {}).items():
         pooled_of_oracle = row["of_oracle"].get("centralized")
         fed_of_pooled = row["federated"] / row["centralized"] if row["centralized"] > 0 else None
         fmt = lambda x: "—" if x is None else f"{x:.2f}"  # noqa: E731
         energy = {"final": "last step", "mean": "mean of every step"}.get(row.get("energy", "final"), row.get("energy"))
-        lines.append(f"| {emb} | {row['episodes']:.0f} | {row['max_steps']} | {energy} | {row.get('energy_terms') or '—'} | {row['success_criterion']} | "
-                     f"{fmt(pooled_of_oracle)} | {fmt(fed_of_pooled)} |")
+        lines.append(f"| {emb} | {row['episodes']:.0f} | {row['max_steps']} | {energy} | {row.get('energy_terms') or '—'} "
+                     f"| {row['success_criterion']} | {fmt(pooled_of_oracle)} | {fmt(fed_of_pooled)} |")
     lines += ["", "Energy weighs: the goal energy's weight on each run of the embodiment's proprioception components (0-based, in "
               "the order it records them) and on the image latent's squared distance to the goal's."]
     lines += ["", "Communication each needed: federated "

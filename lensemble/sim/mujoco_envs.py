@@ -301,11 +301,12 @@ class MujocoReacher(_MujocoEmbodiment):
     models' plans swing the arm through the target: their failed episodes pass within 3.1-5.7 cm of it
     (the pipeline's pooled model, 6 of 16) and swing on, where the oracle, planning on the true distance,
     stops. Weighing the velocities 0.02 (in the energy's units: the fingertip's distance over its
-    `proprio_scale`, 0.2 at the success radius, against joint speeds in rad/s) has the plan arrive slowly;
-    `benchmarks/plan_seeds.py --site site_c --models centralized,federated,local_only` on one run's models,
-    CEM seeds 0,1,2, successes of 48 (pooled / federated / local-only): velocity weight 0: 28 / 31 / 35; 0.01: 33 / 39 / 36; 0.02: 32 / 38 / 42;
-    0.03: 35 / 35 / 38; 0.1: 24 / 34 / 37; 0.3: 14 / 20 / 21 (2026-12-07). The point mass gains nothing
-    from it (0.05: 47 / 43 / 48 against 48 / 45 / 48) and keeps position only.
+    `proprio_scale`, 0.2 at the success radius, against joint speeds in rad/s) has the plan arrive slowly.
+    `benchmarks/plan_seeds.py --site site_c --models centralized,federated,local_only` on one run's
+    models, CEM seeds 0,1,2, successes of 48 (pooled / federated / local-only), by velocity weight:
+    0: 28 / 31 / 35; 0.01: 33 / 39 / 36; 0.02: 32 / 38 / 42; 0.03: 35 / 35 / 38; 0.1: 24 / 34 / 37;
+    0.3: 14 / 20 / 21 (2026-12-07). The point mass gains nothing from it (0.05: 47 / 43 / 48 against
+    48 / 45 / 48) and keeps position only.
     """
 
     name = "mujoco_reacher"
