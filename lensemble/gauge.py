@@ -6,7 +6,7 @@ a site's frame has turned, its residual how much is not a rotation at all.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -190,6 +190,24 @@ def gauge_over_rounds(rounds: list[dict], pooled_curve: list[dict], drop_fractio
                       temporal_vs_pooled_min=min(temporal) if temporal else None, collapse_reasons=tuple(reasons))
 
 
+def rounds_against_alone(per_round: list[dict], local_only: Mapping[str, dict]) -> float | None:
+    """Adds to each round row of `gauge_over_rounds` `vs_alone` {site: the federated RankMe of the site's robot ÷ the
+    RankMe of its site's encoder trained alone at the same mark} from the local-only results of `reports/federate.json`
+    (`effective_dim_curve`, `embodiment`); returns the lowest over rounds and sites, None when no baseline recorded
+    its curve (the row is left as it was)."""
+    curves = {site: ({c["round"]: c["rankme"] for c in r["effective_dim_curve"]}, r["embodiment"])
+              for site, r in sorted(local_only.items()) if r.get("effective_dim_curve")}
+    lows = []
+    for row in per_round:
+        by = row.get("effective_dim_by_embodiment", {})
+        ratios = {site: by[emb] / max(curve[row["round"]], 1e-12) for site, (curve, emb) in curves.items()
+                  if emb in by and row["round"] in curve}
+        if ratios:
+            row["vs_alone"] = ratios
+            lows.append(min(ratios.values()))
+    return min(lows) if lows else None
+
+
 def sample_pairs(sites: list[str], num_pairs: int, rng: np.random.Generator) -> list[tuple[str, str]]:
     """A fixed-size sample of distinct site pairs (never all O(C²) when C is large)."""
     all_pairs = [(a, b) for i, a in enumerate(sites) for b in sites[i + 1 :]]
@@ -197,6 +215,25 @@ def sample_pairs(sites: list[str], num_pairs: int, rng: np.random.Generator) -> 
         return all_pairs
     idx = rng.choice(len(all_pairs), size=num_pairs, replace=False)
     return [all_pairs[i] for i in sorted(idx)]
+
+
+def dimension_against_alone(pooled_PD: torch.Tensor, federated_PD: torch.Tensor, labels: Sequence[str],
+                            alone: Mapping[str, tuple[str, torch.Tensor]]) -> dict:
+    """Each robot's effective dimension (RankMe) at the end of training in the pooled encoder, the federated one and the
+    encoder its site trained on it alone (the local-only baseline: no federation, no other robot), from per-frame
+    embeddings of the labelled probe (`pooled_PD`, `federated_PD`) and, per site, (embodiment, the alone encoder's
+    embeddings of that embodiment's probe rows).
+
+    The reference that separates federation from the mixture: a pooled encoder spreads each robot over more dimensions
+    than one trained on that robot alone, so federated ÷ pooled falls below 1 where federation costs nothing;
+    federated ÷ alone (`federated_vs_local_only`, per site) reads what federating the encoder did to the robot."""
+    pooled = embodiment_spread(pooled_PD, labels)["by_embodiment"]
+    federated = embodiment_spread(federated_PD, labels)["by_embodiment"]
+    local = {site: effective_dim(z)["rankme"] for site, (_, z) in sorted(alone.items())}
+    ratio = {site: federated[emb] / local[site] for site, (emb, _) in sorted(alone.items())}
+    return {"pooled": pooled, "federated": federated, "local_only": local,
+            "embodiment_of": {site: emb for site, (emb, _) in sorted(alone.items())},
+            "federated_vs_local_only": ratio, "federated_vs_local_only_min": min(ratio.values()) if ratio else None}
 
 
 def pool_tokens(z_PND: torch.Tensor) -> torch.Tensor:

@@ -231,6 +231,25 @@ def temporal_lines(gauge: dict) -> list[str]:
             f"{worst['pooled_temporal_share'][emb]:.0%})"]
 
 
+def alone_lines(gauge: dict) -> list[str]:
+    """Each robot's RankMe against its site's encoder trained alone (the local-only baseline): the lowest round
+    (`gauge.rounds_against_alone`) and the three figures at the end (`gauge.dimension_against_alone`); nothing when
+    the local-only baselines were not trained."""
+    a = gauge.get("final", {}).get("dimension_against_alone")
+    if not a or a.get("federated_vs_local_only_min") is None:
+        return []
+    cells = ", ".join(f"{site} ({emb}) {a['federated'][emb]:.1f} / {a['pooled'][emb]:.1f} / {a['local_only'][site]:.1f}"
+                      for site, emb in a["embodiment_of"].items())
+    lines = [f"  - at the end, each robot's RankMe federated / pooled / its site's encoder trained alone (local-only: no federation, "
+             f"no other robot): {cells}"]
+    rows = [(v, site, r["round"]) for r in gauge["per_round"] for site, v in r.get("vs_alone", {}).items()]
+    if rows and gauge.get("effective_dim_vs_local_only_min") is not None:
+        _, site, worst = min(rows)
+        lines.append(f"  - per robot, lowest federated ÷ trained alone at the same point of training {gauge['effective_dim_vs_local_only_min']:.2f} "
+                     f"({site}, round {worst}); at the end {a['federated_vs_local_only_min']:.2f}")
+    return lines
+
+
 def gauge_warning_lines(gauge: dict, collapse_drop_fraction: float | None) -> list[str]:
     """Collapse and drift checks with their thresholds; a WARNING marker on each that fails."""
     mark = lambda bad: "**WARNING**" if bad else "ok"  # noqa: E731
@@ -252,6 +271,7 @@ def gauge_warning_lines(gauge: dict, collapse_drop_fraction: float | None) -> li
     return [
         f"- {mark(tripped)} collapse tripwire {'TRIPPED' if tripped else 'quiet'}: {reads} ({threshold})" + (f": {named}" if reasons else ""),
         *within_embodiment_lines(gauge),
+        *alone_lines(gauge),
         f"- {mark(frac < EFFECTIVE_DIM_WARN_FRACTION)} effective dimension: lowest {frac:.1%} of the {latent}-d latent "
         f"(RankMe {lowest['effective_dim']:.1f}, round {lowest['round']}), final {last['effective_dim']:.1f} "
         f"({last['effective_dim'] / latent:.0%}); warning under {EFFECTIVE_DIM_WARN_FRACTION:.0%} of the latent width",

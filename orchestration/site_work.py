@@ -16,7 +16,7 @@ from lensemble.data.residency import ResidencyGuard
 from lensemble.dynamics import round_dynamics
 from lensemble.federation.dp import clip_update, update_clip
 from lensemble.federation.transport import param_spec
-from lensemble.gauge import drift, pool_tokens
+from lensemble.gauge import drift, effective_dim, pool_tokens
 from lensemble.model.world_model import federated_state, load_federated, local_state
 from lensemble.observability.progress import Progress
 from lensemble.paths import Layout
@@ -26,6 +26,7 @@ from lensemble.workflow import (
     load_probe_episodes,
     load_site,
     place,
+    probe_frames_labelled,
     sampler_for,
     site_embodiment,
     warm_start,
@@ -45,19 +46,32 @@ def loss_progress_yielding(progress: Progress, step: int, losses) -> None:
 
 
 def local_only_body(params: Params, layout: Layout, site: str, model_path: Path) -> dict:
-    """`train_local_only`'s work."""
+    """`train_local_only`'s work, and the baseline's effective dimension (RankMe) on its robot's probe rows at the
+    federation's round marks (`effective_dim_curve`: after (r + 1)·H of its steps for round r, the point of training
+    the federated model's round r is at), which the gauge reads each round's federated robot against."""
     model = build_model(params, f"local/{site}")
     warm_start(model, params, layout)
     place(model, params)
     opt = make_optimizer(model, params.train)
+    embodiment = site_embodiment(params, site)
     sampler = sampler_for(load_site(layout, params, site), params)
     steps = params.federate.rounds * params.federate.inner_steps
     progress = Progress(f"{site} local-only", steps)
-    log = train_steps(model, opt, [(site_embodiment(params, site), sampler)], steps, train=params.train, objective=params.objective,
-                      run_seed=params.run.seed, round_idx=-2, data_key=site, on_step=partial(loss_progress_yielding, progress),
-                      schedule=(0, steps))
+    probe, labels, _ = probe_frames_labelled(layout, params)
+    probe = probe[torch.tensor([label == embodiment for label in labels])]
+    marks = {params.federate.inner_steps * (r + 1): r for r in range(params.federate.rounds)}
+    curve: list[dict] = []
+
+    def on_step(step: int, losses) -> None:
+        if step + 1 in marks:  # read before this worker gives its core back (no draw, no gradient: training is unchanged)
+            curve.append({"round": marks[step + 1], "rankme": effective_dim(pool_tokens(encode_frames(model, probe)))["rankme"]})
+            model.train()
+        loss_progress_yielding(progress, step, losses)
+
+    log = train_steps(model, opt, [(embodiment, sampler)], steps, train=params.train, objective=params.objective,
+                      run_seed=params.run.seed, round_idx=-2, data_key=site, on_step=on_step, schedule=(0, steps))
     torch.save(model.state_dict(), model_path)
-    return {"steps": steps, **log.mean()}
+    return {"steps": steps, **log.mean(), "embodiment": embodiment, "effective_dim_curve": curve}
 
 
 def site_train_body(params: Params, layout: Layout, site: str, round_idx: int, global_state: dict, probe: torch.Tensor,

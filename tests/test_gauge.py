@@ -11,6 +11,7 @@ from scipy.stats import special_ortho_group
 
 from lensemble.gauge import (
     collapse_reasons,
+    dimension_against_alone,
     drift,
     effective_dim,
     embodiment_spread,
@@ -18,6 +19,7 @@ from lensemble.gauge import (
     matched_pooled,
     procrustes,
     rotation_angles_deg,
+    rounds_against_alone,
     sample_pairs,
 )
 
@@ -241,6 +243,45 @@ def test_embodiment_spread_separates_robots_far_apart_from_a_collapsed_robot():
     assert min(collapsed["by_embodiment"].values()) == collapsed["by_embodiment"]["pusht"]
     with pytest.raises(ValueError, match="3 probe labels for 1200"):
         embodiment_spread(z, labels[:3])
+
+
+def test_each_robot_is_read_against_its_site_trained_alone():
+    gen = torch.Generator().manual_seed(6)
+    pooled, labels = _planted_robots(gen)
+    federated, _ = _planted_robots(gen, collapse="pusht")
+    rows = {emb: torch.tensor([lab == emb for lab in labels]) for emb in ("point", "pusht", "reacher")}
+    # site_p trained alone the same point embedding the federation gives it; site_t's alone encoder spreads pusht over 8
+    # dimensions where the federated one keeps 1; site_r's alone encoder holds reacher on 2 of the federated 8
+    alone_r = federated[rows["reacher"]].clone()
+    alone_r[:, 2:] = 0.0
+    alone = {"site_p": ("point", federated[rows["point"]]), "site_t": ("pusht", pooled[rows["pusht"]]),
+             "site_r": ("reacher", alone_r)}
+    a = dimension_against_alone(pooled, federated, labels, alone)
+    assert a["embodiment_of"] == {"site_p": "point", "site_r": "reacher", "site_t": "pusht"}
+    assert a["federated_vs_local_only"]["site_p"] == 1.0  # the same embeddings: exactly the same RankMe
+    rank_one = effective_dim(federated[rows["pusht"]])["rankme"]
+    assert rank_one == pytest.approx(1.0, abs=1e-6)  # a rank-1 spread has one singular value: RankMe exactly 1
+    assert a["federated_vs_local_only"]["site_t"] == pytest.approx(rank_one / a["local_only"]["site_t"])
+    assert a["local_only"]["site_t"] == pytest.approx(8.0, rel=0.05) and a["pooled"]["pusht"] == a["local_only"]["site_t"]
+    assert a["local_only"]["site_r"] == pytest.approx(2.0, rel=0.05)  # 2 isotropic directions
+    assert a["federated_vs_local_only"]["site_r"] == pytest.approx(4.0, rel=0.1)
+    assert a["federated_vs_local_only_min"] == a["federated_vs_local_only"]["site_t"]
+    assert dimension_against_alone(pooled, federated, labels, {})["federated_vs_local_only_min"] is None
+
+
+def test_every_round_reads_each_robot_against_its_site_trained_alone_at_the_same_mark():
+    per_round = [{"round": 0, "effective_dim_by_embodiment": {"point": 8.0, "pusht": 6.0}},
+                 {"round": 1, "effective_dim_by_embodiment": {"point": 4.0, "pusht": 6.0}},
+                 {"round": 2}]  # a round without per-embodiment figures gets no reading
+    local = {"site_b": {"embodiment": "point", "effective_dim_curve": [{"round": r, "rankme": x} for r, x in ((0, 8.0), (1, 10.0), (2, 10.0))]},
+             "site_a": {"embodiment": "pusht", "effective_dim_curve": [{"round": 1, "rankme": 5.0}, {"round": 0, "rankme": 4.0}]},
+             "site_x": {"steps": 3}}  # a baseline that recorded no curve is not read
+    assert rounds_against_alone(per_round, local) == 0.4  # point at round 1: 4 against 10 trained alone
+    assert per_round[0]["vs_alone"] == {"site_a": 1.5, "site_b": 1.0}  # each round against the curve's same round, in any order
+    assert per_round[1]["vs_alone"] == {"site_a": 1.2, "site_b": 0.4}
+    assert "vs_alone" not in per_round[2]
+    untouched = [{"round": 0, "effective_dim_by_embodiment": {"point": 8.0}}]
+    assert rounds_against_alone(untouched, {}) is None and "vs_alone" not in untouched[0]
 
 
 def test_gauge_over_rounds_reads_each_embodiment_against_the_pooled_model():

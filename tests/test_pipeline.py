@@ -42,6 +42,23 @@ def _local_only_is_the_in_process_model(project):
     here = torch.load(project / "local_here.pt", weights_only=True)
     there = torch.load(project / "models" / "local" / "site_b.pt", weights_only=True)
     assert here.keys() == there.keys() and all(torch.equal(here[k], there[k]) for k in here)
+    # reading its RankMe at the round marks changes nothing: the same steps without the reading give the same bits
+    from lensemble.training import make_optimizer, train_steps
+    from lensemble.workflow import build_model, load_site, place, sampler_for, site_embodiment, warm_start
+
+    layout, steps = Layout(project), params.federate.rounds * params.federate.inner_steps
+    model = build_model(params, "local/site_b")
+    warm_start(model, params, layout)
+    place(model, params)
+    torch.set_num_threads(1)
+    try:
+        train_steps(model, make_optimizer(model, params.train), [(site_embodiment(params, "site_b"), sampler_for(load_site(layout, params, "site_b"), params))],
+                    steps, train=params.train, objective=params.objective, run_seed=params.run.seed, round_idx=-2, data_key="site_b",
+                    schedule=(0, steps))
+    finally:
+        torch.set_num_threads(threads)
+    plain = model.state_dict()
+    assert all(torch.equal(here[k], plain[k]) for k in here)
 
 
 def _probe_rows_name_their_episodes(project):
@@ -68,6 +85,48 @@ def _probe_rows_name_their_episodes(project):
             frames = probe[[i for i in rows if episodes[i] == first + e]]
             assert np.array_equal(frames.numpy(), frames_to_tensor(eps.frames_ELHWC[e, ::PROBE_STRIDE]).numpy())
         first += E
+
+
+def _each_robot_against_its_site_trained_alone(project, client, children):
+    """The gauge's per-robot reference: a site's local-only encoder's RankMe on its embodiment's probe rows, recomputed
+    here from the model; the federated figure is the per-embodiment one; MLflow carries the lowest ratio."""
+    import torch
+
+    from lensemble.config import load_params
+    from lensemble.gauge import effective_dim, pool_tokens
+    from lensemble.paths import Layout
+    from lensemble.training import encode_frames
+    from lensemble.workflow import probe_frames_labelled, site_embodiment, site_names
+    from orchestration.evaluation import load_local_only
+
+    gauge = json.loads((project / "reports" / "gauge.json").read_text())
+    alone = gauge["final"]["dimension_against_alone"]
+    params, layout = load_params(project / "params.yaml"), Layout(project)
+    probe, labels, _ = probe_frames_labelled(layout, params)
+    assert sorted(alone["local_only"]) == site_names(params)
+    for site in site_names(params):
+        emb = site_embodiment(params, site)
+        rows = torch.tensor([label == emb for label in labels])
+        z = pool_tokens(encode_frames(load_local_only(params, layout, site), probe[rows]))
+        assert alone["local_only"][site] == pytest.approx(effective_dim(z)["rankme"], rel=1e-9)
+        assert alone["federated_vs_local_only"][site] == pytest.approx(alone["federated"][emb] / alone["local_only"][site])
+    # every round: each baseline recorded its RankMe at every round mark, its last the model's at the end; the gauge reads
+    # each round's federated robot against it, the lowest round and site the figure, MLflow the lowest site each round
+    fed = json.loads((project / "reports" / "federate.json").read_text())
+    for site in site_names(params):
+        curve = fed["local_only"][site]["effective_dim_curve"]
+        assert [c["round"] for c in curve] == list(range(params.federate.rounds))
+        assert curve[-1]["rankme"] == pytest.approx(alone["local_only"][site], rel=1e-9)
+    ratios = [(r["round"], r["vs_alone"]) for r in gauge["per_round"]]
+    assert len(ratios) == params.federate.rounds and all(set(v) == set(site_names(params)) for _, v in ratios)
+    assert gauge["effective_dim_vs_local_only_min"] == min(x for _, v in ratios for x in v.values())
+    gauge_run = next(r for r in children if r.data.tags["lensemble.stage"] == "gauge")
+    logged: dict[int, list[float]] = {}
+    for m in client.get_metric_history(gauge_run.info.run_id, "gauge/effective_dim_vs_local_only"):
+        logged.setdefault(m.step, []).append(m.value)
+    assert sorted(logged) == [r for r, _ in ratios]
+    assert all(min(v.values()) in logged[r] for r, v in ratios)
+    assert gauge["effective_dim_vs_local_only_min"] in logged[0]  # the stage's figure, beside round 0's
 
 
 def _planning_over_seeds_reproduces_the_stage(project, ev):
@@ -168,6 +227,7 @@ def test_pipeline_end_to_end(prefect_server, project):
     history = sorted(client.get_metric_history(gauge_run.info.run_id, "gauge/temporal_share_vs_pooled"), key=lambda m: m.step)
     assert [(m.step, m.value) for m in history] == [(r["round"], pytest.approx(min(r["temporal_vs_pooled"].values()))) for r in gauge["per_round"]]
     _probe_rows_name_their_episodes(project)
+    _each_robot_against_its_site_trained_alone(project, client, children)
     _check_tracking_for_users(project, client, parents[0], children, records)
     check_report_outputs(project)
 

@@ -164,6 +164,25 @@ def test_gauge_warnings_name_their_thresholds():
                         "0.03 (point, round 1: 1% of its variance against 40%)")
 
 
+def test_each_robot_trained_alone_is_named_beside_the_federated_and_pooled_dimension():
+    rounds = [{"round": 0, "effective_dim": 15.0, "drift_angle_deg_mean": 1.0, "drift_angle_deg_max": 2.0}]
+    alone = {"pooled": {"point": 13.6, "pusht": 17.3}, "federated": {"point": 11.5, "pusht": 11.4},
+             "local_only": {"site_a": 11.7, "site_b": 11.5}, "embodiment_of": {"site_a": "pusht", "site_b": "point"},
+             "federated_vs_local_only": {"site_a": 11.4 / 11.7, "site_b": 1.0}, "federated_vs_local_only_min": 11.4 / 11.7}
+    gauge = {"per_round": rounds, "final": {"latent_dim": 64, "dimension_against_alone": alone}, "collapse_tripwire": False,
+             "effective_dim_fraction_min": 15.0 / 64, "effective_dim_vs_pooled_min": 0.9}
+    collapse, line, dim, drift = gauge_warning_lines(gauge, 0.5)
+    assert line == ("  - at the end, each robot's RankMe federated / pooled / its site's encoder trained alone (local-only: no "
+                    "federation, no other robot): site_a (pusht) 11.4 / 17.3 / 11.7, site_b (point) 11.5 / 13.6 / 11.5")
+    # with the rounds read against the baselines' curves: the lowest round names its site
+    rounds.append({**rounds[0], "round": 1, "vs_alone": {"site_a": 0.75, "site_b": 0.6}})
+    rounds[0]["vs_alone"] = {"site_a": 1.4, "site_b": 1.2}
+    collapse, line, lowest, dim, drift = gauge_warning_lines({**gauge, "effective_dim_vs_local_only_min": 0.6}, 0.5)
+    assert lowest == "  - per robot, lowest federated ÷ trained alone at the same point of training 0.60 (site_b, round 1); at the end 0.97"
+    # no local-only baselines trained: no line
+    assert len(gauge_warning_lines({**gauge, "final": {"latent_dim": 64}}, 0.5)) == 3
+
+
 def test_drift_chance_level_is_the_mean_angle_of_a_random_rotation():
     rotations = special_ortho_group.rvs(64, size=8, random_state=0)
     angles = [rotation_angles_deg(torch.from_numpy(r))[0].mean() for r in rotations]
