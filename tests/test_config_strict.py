@@ -283,3 +283,13 @@ def test_planning_energy_names_a_known_embodiment_and_a_known_reading():
         "evaluate.energy.mujoco_point: Input should be 'final' or 'mean', got 'sum'")
     assert _error(_with(("evaluate", "energy"), {"ant": "mean"})).startswith("evaluate.energy: unknown embodiment 'ant'; known: [")
     assert parse_params(_with(("evaluate", "energy"), {"pusht": "mean"})).evaluate.energy == {"pusht": "mean"}
+
+
+def test_the_default_pooled_model_sees_each_robot_as_long_as_each_federated_site_and_baseline():
+    """README: the three models are compared at the same data. Pooling is round-robin over the sites' robots, so the pooled
+    model takes centralized.steps / sites steps of each; a federated site and a local-only baseline take rounds x H."""
+    from lensemble.config import load_params
+
+    p = load_params(Path(__file__).resolve().parents[1] / "params.yaml")
+    assert p.centralized.steps % len(p.data.sites) == 0
+    assert p.centralized.steps // len(p.data.sites) == p.federate.rounds * p.federate.inner_steps
