@@ -245,8 +245,8 @@ def alone_lines(gauge: dict) -> list[str]:
     rows = [(v, site, r["round"]) for r in gauge["per_round"] for site, v in r.get("vs_alone", {}).items()]
     if rows and gauge.get("effective_dim_vs_local_only_min") is not None:
         _, site, worst = min(rows)
-        lines.append(f"  - per robot, lowest federated ÷ trained alone at the same point of training {gauge['effective_dim_vs_local_only_min']:.2f} "
-                     f"({site}, round {worst}); at the end {a['federated_vs_local_only_min']:.2f}")
+        lines.append(f"  - per robot, lowest federated ÷ trained alone at the same point of training "
+                     f"{gauge['effective_dim_vs_local_only_min']:.2f} ({site}, round {worst}); at the end {a['federated_vs_local_only_min']:.2f}")
     return lines
 
 

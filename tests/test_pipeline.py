@@ -52,9 +52,9 @@ def _local_only_is_the_in_process_model(project):
     place(model, params)
     torch.set_num_threads(1)
     try:
-        train_steps(model, make_optimizer(model, params.train), [(site_embodiment(params, "site_b"), sampler_for(load_site(layout, params, "site_b"), params))],
-                    steps, train=params.train, objective=params.objective, run_seed=params.run.seed, round_idx=-2, data_key="site_b",
-                    schedule=(0, steps))
+        samplers = [(site_embodiment(params, "site_b"), sampler_for(load_site(layout, params, "site_b"), params))]
+        train_steps(model, make_optimizer(model, params.train), samplers, steps, train=params.train, objective=params.objective,
+                    run_seed=params.run.seed, round_idx=-2, data_key="site_b", schedule=(0, steps))
     finally:
         torch.set_num_threads(threads)
     plain = model.state_dict()

@@ -10,7 +10,12 @@ import re
 import time
 from pathlib import Path
 
-CANONICAL = re.compile(r"^(loss/(pred|proprio|sigreg|anchor)|gauge/(drift_angle_deg|drift_angle_max_deg|procrustes_residual|effective_dim|effective_dim_fraction|effective_dim_vs_pooled|effective_dim_vs_local_only|effective_dim_within_vs_pooled|between_fraction|temporal_share_vs_pooled|rankme|participation_ratio|reflection)|fed/(comm_bytes|quant_ratio|round_seconds|outer_step_seconds|bytes_per_param)|dp/[a-z0-9_]+|eval/[a-z0-9_/]+|perf/[a-z0-9_/]+)$")
+_GAUGE = ("drift_angle_deg", "drift_angle_max_deg", "procrustes_residual", "effective_dim", "effective_dim_fraction",
+          "effective_dim_vs_pooled", "effective_dim_vs_local_only", "effective_dim_within_vs_pooled", "between_fraction",
+          "temporal_share_vs_pooled", "rankme", "participation_ratio", "reflection")
+_FED = ("comm_bytes", "quant_ratio", "round_seconds", "outer_step_seconds", "bytes_per_param")
+CANONICAL = re.compile(rf"^(loss/(pred|proprio|sigreg|anchor)|gauge/({'|'.join(_GAUGE)})|fed/({'|'.join(_FED)})"
+                       r"|dp/[a-z0-9_]+|eval/[a-z0-9_/]+|perf/[a-z0-9_/]+)$")
 
 
 class MetricsSink:

@@ -61,7 +61,8 @@ def gauge(r: dict) -> dict:
             "effective_dim_fraction_min": r["effective_dim_fraction_min"], "effective_dim_vs_pooled_min": r["effective_dim_vs_pooled_min"],
             **({"effective_dim_within_vs_pooled_min": r["effective_dim_within_vs_pooled_min"]} if r.get("effective_dim_within_vs_pooled_min") is not None else {}),
             **({"temporal_share_vs_pooled_min": r["temporal_share_vs_pooled_min"]} if r.get("temporal_share_vs_pooled_min") is not None else {}),
-            **({"effective_dim_vs_local_only_min": r["effective_dim_vs_local_only_min"]} if r.get("effective_dim_vs_local_only_min") is not None else {}),
+            **({"effective_dim_vs_local_only_min": r["effective_dim_vs_local_only_min"]}
+               if r.get("effective_dim_vs_local_only_min") is not None else {}),
             "rankme": {m: v["rankme"] for m, v in final["effective_dim"].items()},
             "drift_vs_pooled_deg": final["federated_vs_centralized"]["drift_angle_deg"], "collapse_tripwire": int(r["collapse_tripwire"])}
 
