@@ -7,7 +7,7 @@ from prefect import flow
 
 from flows.runs import STAGE_RUN
 from lensemble.errors import DataError
-from lensemble.gauge import gauge_over_rounds, rounds_against_alone
+from lensemble.gauge import dimension_against_alone, gauge_over_rounds, rounds_against_alone
 from orchestration.runner import stage_run
 from tasks.evaluate import gauge_final
 
@@ -36,6 +36,9 @@ def gauge_flow(root: str = ".") -> None:
         g = gauge_over_rounds(rounds, pooled_curve, ctx.params.gauge.collapse_drop_fraction)
         # each robot against its site's encoder trained alone at the same mark (what the mixture of robots does not explain)
         alone = rounds_against_alone(g.per_round, federate.get("local_only") or {})
+        if alone is not None:  # and at the end, the three figures per robot (the baselines' last points are their final models)
+            by = final["effective_dim_by_embodiment"]
+            final["dimension_against_alone"] = dimension_against_alone(by["centralized"], by["federated"], federate["local_only"])
         for r in g.per_round:
             for name, key in _ROUND_METRICS:
                 ctx.metric(name, r[key], step=r["round"], round_idx=r["round"])

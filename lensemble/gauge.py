@@ -217,22 +217,19 @@ def sample_pairs(sites: list[str], num_pairs: int, rng: np.random.Generator) -> 
     return [all_pairs[i] for i in sorted(idx)]
 
 
-def dimension_against_alone(pooled_PD: torch.Tensor, federated_PD: torch.Tensor, labels: Sequence[str],
-                            alone: Mapping[str, tuple[str, torch.Tensor]]) -> dict:
-    """Each robot's effective dimension (RankMe) at the end of training in the pooled encoder, the federated one and the
-    encoder its site trained on it alone (the local-only baseline: no federation, no other robot), from per-frame
-    embeddings of the labelled probe (`pooled_PD`, `federated_PD`) and, per site, (embodiment, the alone encoder's
-    embeddings of that embodiment's probe rows).
+def dimension_against_alone(pooled: Mapping[str, float], federated: Mapping[str, float], local_only: Mapping[str, dict]) -> dict:
+    """Each robot's effective dimension (RankMe) at the end of training in the pooled encoder and the federated one (per
+    embodiment, `embodiment_spread`'s `by_embodiment`) and in the encoder its site trained on it alone: the last point of
+    each local-only baseline's `effective_dim_curve` (its final model), from `reports/federate.json`.
 
     The reference that separates federation from the mixture: a pooled encoder spreads each robot over more dimensions
     than one trained on that robot alone, so federated ÷ pooled falls below 1 where federation costs nothing;
     federated ÷ alone (`federated_vs_local_only`, per site) reads what federating the encoder did to the robot."""
-    pooled = embodiment_spread(pooled_PD, labels)["by_embodiment"]
-    federated = embodiment_spread(federated_PD, labels)["by_embodiment"]
-    local = {site: effective_dim(z)["rankme"] for site, (_, z) in sorted(alone.items())}
-    ratio = {site: federated[emb] / local[site] for site, (emb, _) in sorted(alone.items())}
-    return {"pooled": pooled, "federated": federated, "local_only": local,
-            "embodiment_of": {site: emb for site, (emb, _) in sorted(alone.items())},
+    alone = {site: (r["embodiment"], max(r["effective_dim_curve"], key=lambda c: c["round"])["rankme"])
+             for site, r in sorted(local_only.items()) if r.get("effective_dim_curve")}
+    ratio = {site: federated[emb] / rankme for site, (emb, rankme) in alone.items()}
+    return {"pooled": dict(pooled), "federated": dict(federated), "local_only": {site: x for site, (_, x) in alone.items()},
+            "embodiment_of": {site: emb for site, (emb, _) in alone.items()},
             "federated_vs_local_only": ratio, "federated_vs_local_only_min": min(ratio.values()) if ratio else None}
 
 

@@ -256,7 +256,12 @@ def test_each_robot_is_read_against_its_site_trained_alone():
     alone_r[:, 2:] = 0.0
     alone = {"site_p": ("point", federated[rows["point"]]), "site_t": ("pusht", pooled[rows["pusht"]]),
              "site_r": ("reacher", alone_r)}
-    a = dimension_against_alone(pooled, federated, labels, alone)
+    # each baseline's curve ends on its final encoder's RankMe (earlier rounds read, in any order, but not used here)
+    local_only = {site: {"embodiment": emb, "effective_dim_curve": [{"round": 1, "rankme": effective_dim(z)["rankme"]},
+                                                                    {"round": 0, "rankme": 99.0}]}
+                  for site, (emb, z) in alone.items()}
+    a = dimension_against_alone(embodiment_spread(pooled, labels)["by_embodiment"], embodiment_spread(federated, labels)["by_embodiment"],
+                                {**local_only, "site_x": {"steps": 3}})  # a baseline without a curve is not read
     assert a["embodiment_of"] == {"site_p": "point", "site_r": "reacher", "site_t": "pusht"}
     assert a["federated_vs_local_only"]["site_p"] == 1.0  # the same embeddings: exactly the same RankMe
     rank_one = effective_dim(federated[rows["pusht"]])["rankme"]
@@ -266,7 +271,7 @@ def test_each_robot_is_read_against_its_site_trained_alone():
     assert a["local_only"]["site_r"] == pytest.approx(2.0, rel=0.05)  # 2 isotropic directions
     assert a["federated_vs_local_only"]["site_r"] == pytest.approx(4.0, rel=0.1)
     assert a["federated_vs_local_only_min"] == a["federated_vs_local_only"]["site_t"]
-    assert dimension_against_alone(pooled, federated, labels, {})["federated_vs_local_only_min"] is None
+    assert dimension_against_alone({}, {}, {})["federated_vs_local_only_min"] is None
 
 
 def test_every_round_reads_each_robot_against_its_site_trained_alone_at_the_same_mark():

@@ -108,7 +108,8 @@ def _each_robot_against_its_site_trained_alone(project, client, children):
         emb = site_embodiment(params, site)
         rows = torch.tensor([label == emb for label in labels])
         z = pool_tokens(encode_frames(load_local_only(params, layout, site), probe[rows]))
-        assert alone["local_only"][site] == pytest.approx(effective_dim(z)["rankme"], rel=1e-9)
+        # the baseline's worker encodes on one thread, this process on its own: the same figure to float32 rounding
+        assert alone["local_only"][site] == pytest.approx(effective_dim(z)["rankme"], rel=1e-6)
         assert alone["federated_vs_local_only"][site] == pytest.approx(alone["federated"][emb] / alone["local_only"][site])
     # every round: each baseline recorded its RankMe at every round mark, its last the model's at the end; the gauge reads
     # each round's federated robot against it, the lowest round and site the figure, MLflow the lowest site each round
@@ -116,7 +117,10 @@ def _each_robot_against_its_site_trained_alone(project, client, children):
     for site in site_names(params):
         curve = fed["local_only"][site]["effective_dim_curve"]
         assert [c["round"] for c in curve] == list(range(params.federate.rounds))
-        assert curve[-1]["rankme"] == pytest.approx(alone["local_only"][site], rel=1e-9)
+        assert curve[-1]["rankme"] == alone["local_only"][site]  # the end reading is the baseline's final model
+        # its encoder freezes at a quarter of its steps (train.freeze_encoder_at), before the first mark: the reading stops moving
+        assert params.train.freeze_encoder_at * params.federate.rounds * params.federate.inner_steps < params.federate.inner_steps
+        assert len({c["rankme"] for c in curve}) == 1
     ratios = [(r["round"], r["vs_alone"]) for r in gauge["per_round"]]
     assert len(ratios) == params.federate.rounds and all(set(v) == set(site_names(params)) for _, v in ratios)
     assert gauge["effective_dim_vs_local_only_min"] == min(x for _, v in ratios for x in v.values())
