@@ -9,14 +9,15 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch.profiler import record_function
 
 from lensemble.config import ObjectiveParams, TrainParams
-from lensemble.data.windows import WindowSampler
+from lensemble.data.windows import WindowSampler, frames_to_tensor
 from lensemble.device import autocast, model_device, to_device
 from lensemble.model.world_model import WorldModel
-from lensemble.objectives.losses import world_model_loss
+from lensemble.objectives.losses import anchor_uses, encode_batch, world_model_loss
 from lensemble.objectives.sigreg import random_directions
 from lensemble.seeds import generator
 
@@ -62,20 +63,95 @@ class StepDraws:
         self.probe_gen = generator(run_seed, "probe_batch", round_idx, data_key)
 
     def draw(self, step: int, samplers: Sequence[tuple[str, WindowSampler]], model: WorldModel, train: TrainParams,
-             objective: ObjectiveParams, probe_PCHW: torch.Tensor | None, global_probe_PND: torch.Tensor | None):
+             objective: ObjectiveParams, probe_PCHW: torch.Tensor | None, global_probe_PND: torch.Tensor | None,
+             latents: FrozenLatents | None = None):
         """(embodiment, sampler, frames [B,T,3,H,W], actions [B,T,K], proprio [B,T,Q], directions [D,M], token subset
-        or None, probe, global probe)."""
-        embodiment, sampler = samplers[step % len(samplers)]
-        frames, actions, proprio = sampler.sample(train.batch_size, self.batch_gen)
+        or None, probe, global probe).
+
+        With `latents` (a frozen encoder's), the frames' and the probe rows' embeddings ([B,T,N,D], [P,N,D])
+        stand where the frames and the probe rows would: the same draws, read from the cache."""
+        i = step % len(samplers)
+        embodiment, sampler = samplers[i]
+        e_B1, steps_BT = sampler.draw(train.batch_size, self.batch_gen)
+        actions, proprio = sampler.gather(e_B1, steps_BT)
+        frames = frames_to_tensor(sampler.eps.frames_ELHWC[e_B1, steps_BT]) if latents is None else latents.z[i][e_B1, steps_BT]
         sig_gen = generator(self.run_seed, "sigreg", self.round_idx, step=step)
         directions = random_directions(model.latent_dim, objective.sketch_dim, sig_gen)
-        num_tokens = frames.shape[0] * frames.shape[1] * model.encoder.num_tokens
+        num_tokens = steps_BT.size * model.encoder.num_tokens
         sig_index = torch.randperm(num_tokens, generator=sig_gen)[: objective.sigreg_tokens] if num_tokens > objective.sigreg_tokens else None
         probe = global_probe = None
         if probe_PCHW is not None and global_probe_PND is not None:
             idx = torch.randint(0, probe_PCHW.shape[0], (min(objective.probe_batch, probe_PCHW.shape[0]),), generator=self.probe_gen)
-            probe, global_probe = probe_PCHW[idx], global_probe_PND[idx]
+            probe = probe_PCHW[idx] if latents is None else None if latents.z_probe is None else latents.z_probe[idx]
+            global_probe = global_probe_PND[idx]
         return embodiment, sampler, frames, actions, proprio, directions, sig_index, probe, global_probe
+
+
+class FrozenLatents:
+    """A frozen encoder's embedding of every frame the samplers can draw (and of every probe row), computed once.
+
+    While the encoder is frozen (`train.freeze_encoder_at`'s later steps, a head re-fit, a joining robot's
+    training) it maps a frame to the same embedding at every step, so a step can gather its batch's embeddings
+    here instead of encoding its frames again. The encoder works frame by frame and row by row: encoded here
+    in passes of exactly the training pass's shape (`pass_frames` rows, the last pass padded), in the step's
+    autocast and grad mode, an embedding has the bits the step's own pass gives it. `build` checks that on a
+    batch in another order than the cache's, and returns None (the steps then encode, as before) if any bit differs.
+    """
+
+    MAX_BYTES = 1 << 29
+    """Caches larger than this (512 MiB) are not built: the steps encode their frames."""
+
+    def __init__(self, z: list[torch.Tensor], z_probe: torch.Tensor | None) -> None:
+        self.z, self.z_probe = z, z_probe  # [E, L, N, D] per sampler; [P, N, D] or None (no anchor)
+
+    @classmethod
+    def build(cls, encoder: torch.nn.Module, samplers: Sequence[tuple[str, WindowSampler]], probe_PCHW: torch.Tensor | None,
+              batch_size: int, probe_batch: int, device: torch.device, precision: str) -> FrozenLatents | None:
+        """The cache for `samplers` (and `probe_PCHW`, the probe rows of an anchored step), or None where its bits
+        would not be the steps'. The encoder must be frozen (no parameter requires grad)."""
+        if any(p.requires_grad for p in encoder.parameters()):
+            raise ValueError("FrozenLatents needs a frozen encoder: a learning encoder's embeddings change every step")
+        T = samplers[0][1].num_steps
+        pass_frames = batch_size * T + (probe_batch if probe_PCHW is not None else 0)
+        with autocast_context(precision, device.type):
+            flat = [s.eps.frames_ELHWC.reshape(-1, *s.eps.frames_ELHWC.shape[2:]) for _, s in samplers]
+            z = [cls._encode(encoder, f, pass_frames, device) for f in flat]
+            z_probe = None if probe_PCHW is None else cls._encode(encoder, probe_PCHW, pass_frames, device)
+            for f, z_F in zip(flat, z):  # a step's pass over rows in reverse order: each sits elsewhere in its pass here
+                rows = np.resize(np.arange(len(f))[::-1], batch_size * T)
+                frames = frames_to_tensor(f[rows])
+                probe_rows = None if probe_PCHW is None else torch.arange(len(probe_PCHW)).flip(0).repeat(probe_batch)[:probe_batch]
+                z_ref, z_probe_ref = encode_batch(encoder, to_device(frames.reshape(batch_size, T, *frames.shape[1:]), device),
+                                                  None if probe_rows is None else to_device(probe_PCHW[probe_rows], device))
+                if not torch.equal(z_ref.flatten(0, 1), z_F[torch.from_numpy(rows.copy()).to(z_F.device)]):
+                    return None
+                if probe_rows is not None and not torch.equal(z_probe_ref, z_probe[probe_rows.to(z_probe.device)]):
+                    return None
+        E_L = [s.eps.frames_ELHWC.shape[:2] for _, s in samplers]
+        return cls([z_F.reshape(*el, *z_F.shape[1:]) for z_F, el in zip(z, E_L)], z_probe)
+
+    @staticmethod
+    def _encode(encoder: torch.nn.Module, frames, pass_frames: int, device: torch.device) -> torch.Tensor:
+        """[F, N, D] embeddings of F frames (uint8 [F, H, W, 3] or float [F, 3, H, W]) in passes of `pass_frames` rows."""
+        out = []
+        for a in range(0, len(frames), pass_frames):
+            chunk = frames[a : a + pass_frames]
+            n = len(chunk)
+            if isinstance(chunk, np.ndarray):
+                chunk = frames_to_tensor(chunk)
+            if n < pass_frames:  # padded with the chunk's first frame: every pass has the training pass's shape
+                chunk = torch.cat([chunk, chunk[:1].expand(pass_frames - n, *chunk.shape[1:])])
+            out.append(encoder(to_device(chunk, device)[None])[0][:n])
+        return torch.cat(out)
+
+    @classmethod
+    def pays(cls, samplers: Sequence[tuple[str, WindowSampler]], probe_rows: int, frozen_steps: int, batch_size: int, num_tokens: int,
+             width: int) -> bool:
+        """Whether a cache saves work: it encodes at most half the frames the frozen steps would (the build also converts
+        every frame and checks a pass: a thinner margin saves nothing measurable), and fits MAX_BYTES."""
+        frames = sum(s.eps.frames_ELHWC.shape[0] * s.eps.frames_ELHWC.shape[1] for _, s in samplers) + probe_rows
+        steps_frames = frozen_steps * batch_size * samplers[0][1].num_steps
+        return 2 * frames <= steps_frames and frames * num_tokens * width * 4 <= cls.MAX_BYTES
 
 
 class PredBalance:
@@ -160,6 +236,7 @@ def train_steps(
     global_probe_PND: torch.Tensor | None = None,
     on_step: Callable[[int, Mapping[str, float]], None] | None = None,
     schedule: tuple[int, int] | None = None,
+    reuse_frozen_latents: bool = True,
 ) -> StepLog:
     """`steps` AdamW steps; step i trains on samplers[i % len(samplers)] (round-robin pooling).
 
@@ -167,7 +244,8 @@ def train_steps(
     training, and take `scheduled_lr`'s rate there, the encoder learning only while `encoder_learns`;
     None: every step at the optimizer's own rate, the parameters trainable as the caller left them (a head re-fit).
     A frozen encoder gets no gradient, so AdamW leaves it untouched (no update, no weight decay); on return the
-    encoder is trainable as it was on entry.
+    encoder is trainable as it was on entry. While it is frozen the steps read their frames' embeddings from a
+    `FrozenLatents` cache where one pays and has the steps' bits (`reuse_frozen_latents`; the same numbers either way).
     """
     if schedule is not None and schedule[0] + steps > schedule[1]:
         raise ValueError(f"steps {schedule[0]}..{schedule[0] + steps - 1} run past the {schedule[1]}-step schedule")
@@ -179,15 +257,27 @@ def train_steps(
     freezes = schedule is not None and train.freeze_encoder_at < 1.0
     on_entry = [p.requires_grad for p in model.encoder.parameters()]
     learning = None
+    frozen = not any(on_entry)  # without a schedule the caller's choice holds for every step
+    anchored = anchor_uses(probe_PCHW, global_probe_PND, objective.anchor_weight)
+    latents: FrozenLatents | None = None
     try:
         for step in range(steps):
             if freezes and learning != (learns := encoder_learns(train, schedule[0] + step, schedule[1])):
                 set_trainable(model.encoder, learns)
-                learning = learns
-            embodiment, sampler, frames, actions, proprio, directions, sig_index, probe, global_probe = draws.draw(
-                step, samplers, model, train, objective, probe_PCHW, global_probe_PND)  # drawn on the CPU: same draws on any device
+                learning, frozen = learns, not learns
+            if frozen and latents is None and reuse_frozen_latents and FrozenLatents.pays(
+                    samplers, probe_PCHW.shape[0] if anchored else 0, steps - step, train.batch_size, model.encoder.num_tokens,
+                    model.encoder.width):
+                latents = FrozenLatents.build(model.encoder, samplers, probe_PCHW if anchored else None, train.batch_size,
+                                              min(objective.probe_batch, probe_PCHW.shape[0]) if anchored else 0, device, train.precision)
+                reuse_frozen_latents = latents is not None  # built once a call, or never
+            embodiment, sampler, frames, actions, proprio, directions, sig_index, probe, global_probe = draws.draw(  # drawn on the CPU:
+                step, samplers, model, train, objective, probe_PCHW, global_probe_PND, latents if frozen else None)  # the same on any device
             frames, actions, proprio, directions, sig_index, probe, global_probe = (
                 None if t is None else to_device(t, device) for t in (frames, actions, proprio, directions, sig_index, probe, global_probe))
+            encoded = None
+            if frozen and latents is not None:  # the draws' embeddings, from the cache
+                encoded, frames, probe = (frames, probe), None, None
             with autocast_context(train.precision, device.type):
                 terms = world_model_loss(
                     model.encoder, model.predictor_for(embodiment), model.action_heads[embodiment], frames, actions, proprio, directions, sig_index,
@@ -195,6 +285,7 @@ def train_steps(
                     sigreg_weight=objective.sigreg_weight, anchor_weight=objective.anchor_weight,
                     num_knots=objective.num_knots, t_max=objective.t_max, rollout_steps=objective.rollout_steps, sigreg_on=objective.sigreg_on,
                     probe_PCHW=probe, global_probe_PND=global_probe, pred_weight=balance.weight(embodiment),
+                    encoded=encoded,
                 )
             if schedule is not None:
                 lr = scheduled_lr(train, schedule[0] + step, schedule[1])

@@ -74,12 +74,17 @@ class WindowSampler:
         return (frames_to_tensor(self.eps.frames_ELHWC[e, sl]), torch.from_numpy(self.eps.actions_ELK[e, sl].copy()),
                 torch.from_numpy(self.proprio_ELQ[e, sl].copy()))
 
-    def sample(self, batch_size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A batch: frames [B, T, 3, H, W], actions [B, T, K], proprio features [B, T, Q]."""
+    def draw(self, batch_size: int, gen: torch.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """A batch's frame positions: episode [B, 1] and step [B, T] of every frame (one draw from `gen`)."""
         idx = torch.randint(0, self.num_windows, (batch_size,), generator=gen).numpy()
         e, s = np.divmod(idx, self.starts_per_episode)
-        steps = s[:, None] + np.arange(self.num_steps)[None, :]  # [B, T]
-        frames = self.eps.frames_ELHWC[e[:, None], steps]  # [B, T, H, W, 3]
-        actions = self.eps.actions_ELK[e[:, None], steps]  # [B, T, K]
-        proprio = self.proprio_ELQ[e[:, None], steps]  # [B, T, Q]
-        return frames_to_tensor(frames), torch.from_numpy(actions), torch.from_numpy(proprio)
+        return e[:, None], s[:, None] + np.arange(self.num_steps)[None, :]
+
+    def gather(self, e_B1: np.ndarray, steps_BT: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Actions [B, T, K] and proprio features [B, T, Q] at the drawn positions."""
+        return torch.from_numpy(self.eps.actions_ELK[e_B1, steps_BT]), torch.from_numpy(self.proprio_ELQ[e_B1, steps_BT])
+
+    def sample(self, batch_size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A batch: frames [B, T, 3, H, W], actions [B, T, K], proprio features [B, T, Q]."""
+        e, steps = self.draw(batch_size, gen)
+        return frames_to_tensor(self.eps.frames_ELHWC[e, steps]), *self.gather(e, steps)

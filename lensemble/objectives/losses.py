@@ -72,6 +72,25 @@ def sigreg_tokens(z_BTND: torch.Tensor, sigreg_on: str, sigreg_index: torch.Tens
     return tokens[sigreg_index] if sigreg_index is not None else tokens
 
 
+def anchor_uses(probe: torch.Tensor | None, global_probe_PND: torch.Tensor | None, anchor_weight: float) -> bool:
+    """Whether a step has an anchor term: probe rows, their global embedding and a positive λ_anc."""
+    return probe is not None and global_probe_PND is not None and anchor_weight > 0
+
+
+def encode_batch(encoder: ViTEncoder, frames_BTCHW: torch.Tensor, probe_PCHW: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The batch's embeddings z [B, T, N, D] and, given probe frames (an anchored step), theirs [P, N, D].
+
+    One encoder pass over the batch's frames and the probe frames together: the anchor then costs its
+    frames' share of the forward, not a second pass with its own fixed overheads.
+    """
+    if probe_PCHW is None:
+        return encoder(frames_BTCHW), None  # [B, T, N, D]
+    B, T = frames_BTCHW.shape[:2]
+    both = torch.cat([frames_BTCHW.flatten(0, 1), probe_PCHW])[None]  # [1, B*T + P, 3, H, W]
+    z_all = encoder(both)[0]  # [B*T + P, N, D]
+    return z_all[: B * T].reshape(B, T, *z_all.shape[1:]), z_all[B * T :]
+
+
 def anchor_loss(encoder: ViTEncoder, probe_PCHW: torch.Tensor, global_probe_PND: torch.Tensor) -> torch.Tensor:
     """MSE between the local encoder's probe embeddings and the round-start global encoder's."""
     z = encoder(probe_PCHW[:, None])[:, 0]  # [P, N, D]
@@ -82,7 +101,7 @@ def world_model_loss(
     encoder: ViTEncoder,
     predictor: Predictor | AdaptedPredictor,
     head: ActionHead,
-    frames_BTCHW: torch.Tensor,
+    frames_BTCHW: torch.Tensor | None,
     actions_BTK: torch.Tensor,
     proprio_BTQ: torch.Tensor,
     directions_DM: torch.Tensor,
@@ -99,27 +118,21 @@ def world_model_loss(
     probe_PCHW: torch.Tensor | None = None,
     global_probe_PND: torch.Tensor | None = None,
     pred_weight: float = 1.0,
+    encoded: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> LossTerms:
     """All terms of L for one batch; the anchor is 0 when no global probe embedding is given.
 
     `pred_weight` multiplies L_pred in the total (pooled training's per-embodiment balance,
     `training.PredBalance`; 1 everywhere else). The returned terms are unweighted.
+    `encoded`: `encode_batch`'s (z, z_probe) for this batch when the caller has them (a frozen encoder's,
+    `training.FrozenLatents`); then `frames_BTCHW` and `probe_PCHW` are not read and the encoder does not run.
 
     The profiler spans (encoder_forward, predictor_step, sigreg_anchor) are the profiling plan's
     (spec 08 §6); `record_function` only labels, it changes no number.
     """
-    use_anchor = probe_PCHW is not None and global_probe_PND is not None and anchor_weight > 0
+    use_anchor = anchor_uses(probe_PCHW if encoded is None else encoded[1], global_probe_PND, anchor_weight)
     with record_function("encoder_forward"):
-        if use_anchor:
-            # One encoder pass over the batch's frames and the probe frames together: the anchor then
-            # costs its frames' share of the forward, not a second pass with its own fixed overheads.
-            B, T = frames_BTCHW.shape[:2]
-            both = torch.cat([frames_BTCHW.flatten(0, 1), probe_PCHW])[None]  # [1, B*T + P, 3, H, W]
-            z_all = encoder(both)[0]  # [B*T + P, N, D]
-            z = z_all[: B * T].reshape(B, T, *z_all.shape[1:])  # [B, T, N, D]
-            z_probe = z_all[B * T :]  # [P, N, D]
-        else:
-            z = encoder(frames_BTCHW)  # [B, T, N, D]
+        z, z_probe = encode_batch(encoder, frames_BTCHW, probe_PCHW if use_anchor else None) if encoded is None else encoded
     with record_function("predictor_step"):
         act = head(actions_BTK)  # [B, T, A]
         pred, prop = prediction_loss(predictor, z, proprio_BTQ, act, rollout_steps, proprio_valid)
