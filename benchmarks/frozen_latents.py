@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
           f"from the cache ({1 - best[True] / best[False]:.0%} less); cache build {build_s:.2f} s "
           f"({'exact' if built is not None else 'refused: bits differ'}); matmul peak {matmul_peak_gflops():.0f} GFLOP/s")
     hashes, passes = [], []
-    frames = sum(s.eps.frames_ELHWC.shape[0] * s.eps.frames_ELHWC.shape[1] for _, s in samplers)
+    frames = sum(s.num_frames for _, s in samplers)
     frozen_steps = 2 * frames // (p.train.batch_size * p.data.num_steps) + 10  # enough that the cache pays (FrozenLatents.pays)
     short = round(frozen_steps / (1 - p.train.freeze_encoder_at))  # learning, then frozen, in the run's proportion
     for reuse in (False, True):

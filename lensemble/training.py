@@ -117,18 +117,18 @@ class FrozenLatents:
             flat = [s.eps.frames_ELHWC.reshape(-1, *s.eps.frames_ELHWC.shape[2:]) for _, s in samplers]
             z = [cls._encode(encoder, f, pass_frames, device) for f in flat]
             z_probe = None if probe_PCHW is None else cls._encode(encoder, probe_PCHW, pass_frames, device)
-            for f, z_F in zip(flat, z):  # a step's pass over rows in reverse order: each sits elsewhere in its pass here
+            probe_rows = None if probe_PCHW is None else torch.arange(len(probe_PCHW)).flip(0).repeat(probe_batch)[:probe_batch]
+            for i, (f, z_F) in enumerate(zip(flat, z)):  # a step's pass over rows in reverse order: each sits elsewhere in its pass here
                 rows = np.resize(np.arange(len(f))[::-1], batch_size * T)
                 frames = frames_to_tensor(f[rows])
-                probe_rows = None if probe_PCHW is None else torch.arange(len(probe_PCHW)).flip(0).repeat(probe_batch)[:probe_batch]
+                check_probe = probe_rows is not None and i == 0  # the probe rows once, in the first sampler's pass
                 z_ref, z_probe_ref = encode_batch(encoder, to_device(frames.reshape(batch_size, T, *frames.shape[1:]), device),
-                                                  None if probe_rows is None else to_device(probe_PCHW[probe_rows], device))
+                                                  to_device(probe_PCHW[probe_rows], device) if check_probe else None)
                 if not torch.equal(z_ref.flatten(0, 1), z_F[torch.from_numpy(rows.copy()).to(z_F.device)]):
                     return None
-                if probe_rows is not None and not torch.equal(z_probe_ref, z_probe[probe_rows.to(z_probe.device)]):
+                if check_probe and not torch.equal(z_probe_ref, z_probe[probe_rows.to(z_probe.device)]):
                     return None
-        E_L = [s.eps.frames_ELHWC.shape[:2] for _, s in samplers]
-        return cls([z_F.reshape(*el, *z_F.shape[1:]) for z_F, el in zip(z, E_L)], z_probe)
+        return cls([z_F.reshape(*s.eps.frames_ELHWC.shape[:2], *z_F.shape[1:]) for z_F, (_, s) in zip(z, samplers)], z_probe)
 
     @staticmethod
     def _encode(encoder: torch.nn.Module, frames, pass_frames: int, device: torch.device) -> torch.Tensor:
@@ -149,7 +149,7 @@ class FrozenLatents:
              width: int) -> bool:
         """Whether a cache saves work: it encodes at most half the frames the frozen steps would (the build also converts
         every frame and checks a pass: a thinner margin saves nothing measurable), and fits MAX_BYTES."""
-        frames = sum(s.eps.frames_ELHWC.shape[0] * s.eps.frames_ELHWC.shape[1] for _, s in samplers) + probe_rows
+        frames = sum(s.num_frames for _, s in samplers) + probe_rows
         steps_frames = frozen_steps * batch_size * samplers[0][1].num_steps
         return 2 * frames <= steps_frames and frames * num_tokens * width * 4 <= cls.MAX_BYTES
 

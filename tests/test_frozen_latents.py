@@ -97,7 +97,7 @@ def test_an_encoder_that_reads_its_batch_gets_no_cache():
 
 def test_a_call_too_short_to_pay_builds_no_cache():
     p, _, _, samplers = _setup()
-    frames = sum(s.eps.frames_ELHWC.shape[0] * s.eps.frames_ELHWC.shape[1] for _, s in samplers)
+    frames = sum(s.num_frames for _, s in samplers)
     per_step = p.train.batch_size * p.data.num_steps
     assert 2 * frames % per_step == 0  # the boundary below is exact: a cache of half the steps' frames pays
     assert FrozenLatents.pays(samplers, 0, 2 * frames // per_step, p.train.batch_size, 4, 8)

@@ -67,6 +67,11 @@ class WindowSampler:
     def __len__(self) -> int:
         return self.num_windows
 
+    @property
+    def num_frames(self) -> int:
+        """Frames in the sampler's episodes (E · L)."""
+        return self.eps.frames_ELHWC.shape[0] * self.eps.frames_ELHWC.shape[1]
+
     def window(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Window `index`: frames [T, 3, H, W], actions [T, K], proprio features [T, Q]."""
         e, s = divmod(int(index), self.starts_per_episode)
